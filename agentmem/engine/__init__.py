@@ -1,0 +1,39 @@
+"""The model engine: weights, tokenizer and chat format, forward pass, KV, generation."""
+
+from .engine import (
+    DenseKV,
+    Engine,
+    Generation,
+    GenerationStats,
+    GenerationStream,
+    PrefillPlanner,
+    PrefillResult,
+    Segment,
+    attend,
+)
+from .errors import EmptyPrompt, EngineError, InvalidSampling, PromptTooLong
+from .model import ModelArgs, Transformer, load_transformer
+from .sampler import SamplingParams
+from .weights import WeightsMissing, resolve_model_dir
+
+__all__ = [
+    "DenseKV",
+    "EmptyPrompt",
+    "Engine",
+    "EngineError",
+    "Generation",
+    "GenerationStats",
+    "GenerationStream",
+    "InvalidSampling",
+    "ModelArgs",
+    "PrefillPlanner",
+    "PrefillResult",
+    "PromptTooLong",
+    "SamplingParams",
+    "Segment",
+    "Transformer",
+    "WeightsMissing",
+    "attend",
+    "load_transformer",
+    "resolve_model_dir",
+]

@@ -1,0 +1,56 @@
+"""`agentmem` command line. Each command lives in its own module and is imported only when
+used, so `agentmem --help` stays instant and packages stay independent."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module with main(argv) -> int | None, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("agentmem.demo", "scripted multi-session chat that shows memory at work"),
+    "chat": ("agentmem.repl", "interactive chat REPL with memory (--show-memories)"),
+    "serve": ("agentmem.api.cli", "run the multi-tenant REST service (OpenAI-compatible)"),
+    "tenant": ("agentmem.api.admin", "create / list / delete tenants and API keys"),
+    "reflect": ("agentmem.reflect.cli", "run offline reflection for one user or all"),
+    "models": ("agentmem.engine.models_cli", "show / provision the model weights"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("agentmem.engine.bench", "engine prefill/decode/batching vs HF transformers"),
+    "blend": ("agentmem.kvreuse.bench", "chunk-KV reuse: full vs reuse vs CacheBlend"),
+    "memory": ("agentmem.bench_memory", "multi-session memory QA workload"),
+    "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: agentmem COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  bench {name:<4} {help_}" for name, (_, help_) in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def _dispatch(module: str, argv: list[str]) -> int:
+    rc = importlib.import_module(module).main(argv)
+    return int(rc or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHES:
+            print(_usage(), file=sys.stderr)
+            return 2
+        return _dispatch(BENCHES[rest[0]][0], rest[1:])
+    if cmd not in COMMANDS:
+        print(f"agentmem: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _dispatch(COMMANDS[cmd][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The engine's public object: load a model, turn prompts into text.
+
+A prompt is plain text, token ids, or a list of `Segment`s. Segments are tokenized one by
+one and concatenated, so a segment's ids are the same wherever it appears in a prompt; a
+prefill planner (the kvreuse package plugs one in with `set_prefill_planner`) can then reuse
+cached KV for them instead of prefilling again. The engine itself knows nothing of memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config
+from .errors import EmptyPrompt, PromptTooLong
+from .model import Transformer, load_transformer
+from .sampler import SamplingParams, sample
+from .tokenizer import ChatFormat, chat_format, load_tokenizer
+from .weights import DEFAULT_MODEL_ID, resolve_model_dir
+
+
+@dataclass
+class Segment:
+    """A piece of a prompt. `cacheable` segments may have their KV stored and reused."""
+
+    text: str
+    cacheable: bool = True
+    tier: str = ""  # who made it (system, core, summary, recall, turn, user): for traces
+    ref: str | None = None  # e.g. the memory id it came from
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill planner returns: rotated K/V per layer for all prompt tokens, and the
+    logits of the last prompt token."""
+
+    k: list[torch.Tensor]  # per layer [T, KV, hd], rotated at positions 0..T-1
+    v: list[torch.Tensor]
+    last_logits: torch.Tensor  # [V] fp32
+    reused: int = 0
+    recomputed: int = 0
+    prefilled: int = 0
+    segments: list[dict] = field(default_factory=list)  # per segment: tokens, how (reused/blended/prefilled)
+
+
+# planner(engine, [(ids, cacheable, segment)]) -> PrefillResult
+PrefillPlanner = Callable[["Engine", list[tuple[list[int], bool, Segment]]], PrefillResult]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    prefilled_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+    segments: list[dict] = field(default_factory=list)
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 matmuls are ~3x faster than fp32 on the target CPUs and native on GPUs.
+        return torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Exact causal attention by explicit positions: query i sees key j iff k_pos[j] <= q_pos[i].
+    q [Nq,H,hd], k/v [Nk,KV,hd] -> [Nq,H,hd]."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+class DenseKV:
+    """A contiguous per-request KV cache (rotated K). The paged pool serves batched serving;
+    this is the simple path used by single requests and by the planners."""
+
+    def __init__(self, model: Transformer, capacity: int, device, dtype):
+        a = model.args
+        self.k = [torch.empty(capacity, a.n_kv_heads, a.head_dim, device=device, dtype=dtype) for _ in range(a.n_layers)]
+        self.v = [torch.empty_like(t) for t in self.k]
+        self.length = 0
+
+    def load(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        n = k[0].shape[0]
+        for i in range(len(self.k)):
+            self.k[i][:n] = k[i]
+            self.v[i][:n] = v[i]
+        self.length = n
+
+    def backend(self, start: int, n: int):
+        end = start + n
+        pos = torch.arange(end, device=self.k[0].device)
+
+        def attn(i, q, k_raw, k_rot, v):
+            self.k[i][start:end] = k_rot
+            self.v[i][start:end] = v
+            return attend(q, self.k[i][:end], self.v[i][:end], pos[start:end], pos)
+
+        return attn
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer, model_id: str, device: torch.device, config: Config):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.device = device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.config = config
+        self.chat: ChatFormat = chat_format(tokenizer)
+        self.context_window = min(config.context_window or model.args.max_seq_len, model.args.max_seq_len)
+        eos = model.args.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self._planner: PrefillPlanner | None = None
+        self._lock = threading.Lock()
+
+    # --- construction ------------------------------------------------------------------------
+    @classmethod
+    def load(cls, config: Config | None = None) -> Engine:
+        config = config or Config()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        path = resolve_model_dir(config.model_path, config.cache_dir)
+        model = load_transformer(path, dtype, device)
+        model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
+        return cls(model, load_tokenizer(path), model_id, device, config)
+
+    def set_prefill_planner(self, planner: PrefillPlanner | None) -> None:
+        self._planner = planner
+
+    # --- text ------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def format_message(self, role: str, content: str) -> str:
+        return self.chat.message(role, content)
+
+    def chat_segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment]:
+        segs = [Segment(self.format_message(m["role"], m["content"]), tier=m["role"]) for m in messages]
+        if add_generation_prompt:
+            segs.append(Segment(self.chat.generation_prefix, cacheable=False, tier="generation"))
+        return segs
+
+    def tokenize_prompt(self, prompt: str | Sequence[int] | Sequence[Segment]) -> list[tuple[list[int], bool, Segment]]:
+        if isinstance(prompt, str):
+            parts = [(self.encode(prompt), False, Segment(prompt, cacheable=False))]
+        elif len(prompt) and isinstance(prompt[0], Segment):
+            parts = [(self.encode(s.text), s.cacheable, s) for s in prompt]
+        else:
+            ids = [int(t) for t in prompt]
+            parts = [(ids, False, Segment("", cacheable=False))]
+        n = sum(len(p[0]) for p in parts)
+        if n == 0:
+            raise EmptyPrompt("the prompt is empty")
+        if n >= self.context_window:
+            raise PromptTooLong(n, self.context_window - 1)
+        return parts
+
+    # --- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_dense(self, ids: list[int], kv: DenseKV, start: int = 0) -> torch.Tensor:
+        """Prefill `ids` at positions start.. into `kv`; logits of the last token."""
+        t = torch.tensor(ids, device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)
+        logits = self.model(t, pos, kv.backend(start, len(ids)), logits_at=torch.tensor([len(ids) - 1]))
+        kv.length = start + len(ids)
+        return logits[0]
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Full-sequence logits [T, V] (fp32): the oracle comparisons use this."""
+        t = torch.tensor(list(ids), device=self.device)
+        kv = DenseKV(self.model, len(t), self.device, self.dtype)
+        return self.model(t, torch.arange(len(t), device=self.device), kv.backend(0, len(t)))
+
+    # --- generation ------------------------------------------------------------------------
+    def stream(self, prompt, params: SamplingParams | None = None, **kw) -> GenerationStream:
+        params = (params or SamplingParams(**kw)).validate()
+        return GenerationStream(self, self.tokenize_prompt(prompt), params)
+
+    def generate(self, prompt, params: SamplingParams | None = None, **kw) -> Generation:
+        s = self.stream(prompt, params, **kw)
+        for _ in s:
+            pass
+        return s.result
+
+
+class GenerationStream:
+    """Iterator of text pieces; `.result` holds the whole Generation once exhausted."""
+
+    def __init__(self, engine: Engine, parts, params: SamplingParams):
+        self.engine = engine
+        self.parts = parts
+        self.params = params
+        self.result: Generation | None = None
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[str]:
+        e, p = self.engine, self.params
+        t0 = time.perf_counter()
+        ids = [t for part in self.parts for t in part[0]]
+        n = len(ids)
+        budget = min(p.max_tokens, e.context_window - n)
+        kv = DenseKV(e.model, n + budget, e.device, e.dtype)
+        stats = GenerationStats(prompt_tokens=n)
+        if e._planner is not None and any(c for _, c, _ in self.parts):
+            r = e._planner(e, self.parts)
+            kv.load(r.k, r.v)
+            logits = r.last_logits
+            stats.reused_tokens, stats.recomputed_tokens, stats.prefilled_tokens = r.reused, r.recomputed, r.prefilled
+            stats.segments = r.segments
+        else:
+            logits = e.prefill_dense(ids, kv)
+            stats.prefilled_tokens = n
+        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        out: list[int] = []
+        text = ""
+        emitted = 0
+        finish = "length"
+        for step in range(budget):
+            tok = int(sample(logits[None], p, gen)[0])
+            if step == 0:
+                stats.ttft_s = time.perf_counter() - t0
+            if tok in e.eos_ids:
+                finish = "stop"
+                break
+            out.append(tok)
+            text = e.decode(out)
+            cut = _stop_cut(text, p.stop)
+            if cut is not None:
+                text = text[:cut]
+                finish = "stop"
+                break
+            # hold back what could be the start of a stop string or a partial UTF-8 char
+            safe = len(text) - _holdback(text, p.stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if step + 1 < budget:
+                logits = e.prefill_dense([tok], kv, start=kv.length)
+        if len(text) > emitted:
+            yield text[emitted:]
+        stats.completion_tokens = len(out)
+        stats.total_s = time.perf_counter() - t0
+        stats.finish_reason = finish
+        self.result = Generation(text, out, stats)
+
+
+def _stop_cut(text: str, stops: list[str]) -> int | None:
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(cuts) if cuts else None
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold

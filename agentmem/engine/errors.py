@@ -1,0 +1,20 @@
+"""Errors a caller can act on; raised before any tensor work starts."""
+
+
+class EngineError(ValueError):
+    """Base class of the engine's input errors."""
+
+
+class EmptyPrompt(EngineError):
+    pass
+
+
+class PromptTooLong(EngineError):
+    def __init__(self, n_tokens: int, limit: int):
+        super().__init__(f"prompt has {n_tokens} tokens; the context window allows {limit}")
+        self.n_tokens = n_tokens
+        self.limit = limit
+
+
+class InvalidSampling(EngineError):
+    pass

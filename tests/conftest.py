@@ -1,0 +1,40 @@
+"""Shared fixtures. The model is loaded once per test session (fp32, so that comparisons
+against the HF oracle are exact to 1e-3); every test that needs a model uses `engine`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from agentmem.config import Config
+    from agentmem.engine import Engine
+
+    return Engine.load(Config(dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(engine):
+    """The transformers oracle, on the same checkpoint directory."""
+    from transformers import LlamaForCausalLM
+
+    from agentmem.engine import resolve_model_dir
+
+    path = resolve_model_dir(engine.config.model_path, engine.config.cache_dir)
+    return LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from agentmem.tiers.embed import load_embedder
+
+    return load_embedder()
