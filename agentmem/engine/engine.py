@@ -33,6 +33,7 @@ class Segment:
     cacheable: bool = True
     tier: str = ""  # who made it (system, core, summary, recall, turn, user): for traces
     ref: str | None = None  # e.g. the memory id it came from
+    namespace: str = ""  # chunk-KV namespace (the tenant): entries are never shared across namespaces
 
 
 @dataclass
