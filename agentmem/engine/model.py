@@ -67,29 +67,41 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # normalised in fp32 and cast back before the weight, as HF does
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Rotary:
-    """RoPE in the HF (rotate-half) convention, evaluated at arbitrary integer positions."""
+    """RoPE in the HF (rotate-half) convention, evaluated at arbitrary integer positions.
 
-    def __init__(self, head_dim: int, theta: float):
+    cos/sin are tabulated once (in float64, stored fp32) for every position of the context,
+    so a forward only indexes the table, and rotation of q and k is one call.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 8192):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float64, device="cpu")[:, None] * self.inv_freq[None, :]
+        self._cos = freqs.cos().repeat(1, 2).float()
+        # rotate-half as a flip of the two halves times a signed sin: x*cos + flip(x)*sin_signed
+        self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).float()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def to(self, device: torch.device | str) -> Rotary:
+        self._cos, self._sin = self._cos.to(device), self._sin.to(device)
+        return self
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim]; positions: [N]."""
-        cos, sin = self.cos_sin(positions, torch.float32)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables at `positions` [N] -> (cos, signed sin), each [N, head_dim] fp32."""
+        return self._cos[positions], self._sin[positions]
+
+    def apply(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """x: [N, heads, head_dim]; positions: [N]. Pass `cos_sin` to reuse a lookup."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+        n, heads, hd = x.shape
         xf = x.float()
-        half = xf.shape[-1] // 2
-        rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+        swapped = xf.view(n, heads, 2, hd // 2).flip(2).view(n, heads, hd)
+        return torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :]).to(x.dtype)
 
 
 # attn(layer_idx, q_rot [N,H,hd], k_raw [N,KV,hd], k_rot [N,KV,hd], v [N,KV,hd]) -> [N,H,hd]
@@ -112,27 +124,49 @@ class Block(nn.Module):
         self.input_norm = RMSNorm(args.dim, args.norm_eps)
         self.post_norm = RMSNorm(args.dim, args.norm_eps)
 
+    def fuse(self) -> None:
+        """Concatenate q/k/v and gate/up weights so each is one matmul; the per-projection
+        Linear weights become views of the fused tensors (no copy is kept)."""
+        a = self.args
+        sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+        self.wqkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        for lin, w in zip((self.q_proj, self.k_proj, self.v_proj), self.wqkv.split(sizes)):
+            lin.weight = nn.Parameter(w, requires_grad=False)
+        self.w_gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        for lin, w in zip((self.gate_proj, self.up_proj), self.w_gate_up.chunk(2)):
+            lin.weight = nn.Parameter(w, requires_grad=False)
+
+    def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:
+        """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]."""
+        a = self.args
+        return F.linear(self.input_norm(h), self.wqkv).view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
+
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Un-rotated q, k and v of hidden states h [N, dim]."""
         a = self.args
-        x = self.input_norm(h)
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, a.n_heads, a.head_dim)
-        k = self.k_proj(x).view(n, a.n_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(n, a.n_kv_heads, a.head_dim)
-        return q, k, v
+        return self.qkv_fused(h).split([a.n_heads, a.n_kv_heads, a.n_kv_heads], dim=1)
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
         h = h + self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        x = self.post_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(self.post_norm(h), self.w_gate_up).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttnBackend) -> torch.Tensor:
-        q, k, v = self.qkv(h)
-        q_rot = rotary.apply(q, positions)
-        k_rot = rotary.apply(k, positions)
-        return self.finish(h, attn(self.idx, q_rot, k, k_rot, v))
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        attn: AttnBackend,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        a = self.args
+        qkv = self.qkv_fused(h)
+        qk_end = a.n_heads + a.n_kv_heads
+        # q and k are adjacent in the fused projection: rotate both in one call
+        qk = rotary.apply(qkv[:, :qk_end], positions, cos_sin)
+        k, v = qkv[:, a.n_heads : qk_end], qkv[:, qk_end:]
+        return self.finish(h, attn(self.idx, qk[:, : a.n_heads], k, qk[:, a.n_heads :], v))
 
 
 class Transformer(nn.Module):
@@ -143,7 +177,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rotary = Rotary(args.head_dim, args.rope_theta)
+        self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len)
 
     def forward(
         self,
@@ -155,8 +189,9 @@ class Transformer(nn.Module):
         """Run tokens `ids` [N] at `positions` [N]; return logits (fp32) of rows `logits_at`
         (default: every row)."""
         h = self.embed_tokens(ids)
+        cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers:
-            h = layer(h, positions, self.rotary, attn)
+            h = layer(h, positions, self.rotary, attn, cos_sin)
         if logits_at is not None:
             h = h[logits_at]
         return self.logits(h)
@@ -212,4 +247,7 @@ def load_transformer(path: Path, dtype: torch.dtype, device: torch.device | str 
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.to(device)
+    for layer in model.layers:
+        layer.fuse()
     return model.eval().requires_grad_(False)
