@@ -9,8 +9,8 @@ cached KV for them instead of prefilling again. The engine itself knows nothing 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from ..config import Config
 from .errors import EmptyPrompt, PromptTooLong
+from .loop import EngineLoop
 from .model import Transformer, load_transformer
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams
+from .sequence import Sequence
 from .tokenizer import ChatFormat, chat_format, load_tokenizer
 from .weights import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -146,6 +148,7 @@ class Engine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._planner: PrefillPlanner | None = None
         self._lock = threading.Lock()
+        self._loop: EngineLoop | None = None
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -167,7 +170,7 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Seq[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def count_tokens(self, text: str) -> int:
@@ -176,13 +179,13 @@ class Engine:
     def format_message(self, role: str, content: str) -> str:
         return self.chat.message(role, content)
 
-    def chat_segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment]:
+    def chat_segments(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[Segment]:
         segs = [Segment(self.format_message(m["role"], m["content"]), tier=m["role"]) for m in messages]
         if add_generation_prompt:
             segs.append(Segment(self.chat.generation_prefix, cacheable=False, tier="generation"))
         return segs
 
-    def tokenize_prompt(self, prompt: str | Sequence[int] | Sequence[Segment]) -> list[tuple[list[int], bool, Segment]]:
+    def tokenize_prompt(self, prompt: str | Seq[int] | Seq[Segment]) -> list[tuple[list[int], bool, Segment]]:
         if isinstance(prompt, str):
             parts = [(self.encode(prompt), False, Segment(prompt, cacheable=False))]
         elif len(prompt) and isinstance(prompt[0], Segment):
@@ -208,18 +211,45 @@ class Engine:
         return logits[0]
 
     @torch.inference_mode()
-    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+    def logits(self, ids: Seq[int]) -> torch.Tensor:
         """Full-sequence logits [T, V] (fp32): the oracle comparisons use this."""
         t = torch.tensor(list(ids), device=self.device)
         kv = DenseKV(self.model, len(t), self.device, self.dtype)
         return self.model(t, torch.arange(len(t), device=self.device), kv.backend(0, len(t)))
 
     # --- generation ------------------------------------------------------------------------
+    @property
+    def loop(self) -> EngineLoop:
+        """The background loop that batches every caller's requests (started on first use)."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = EngineLoop(self)
+            return self._loop
+
     def stream(self, prompt, params: SamplingParams | None = None, **kw) -> GenerationStream:
+        """Start generating; iterate the result for text pieces as tokens are produced.
+        Thread-safe: concurrent streams are decoded together in one batch."""
         params = (params or SamplingParams(**kw)).validate()
-        return GenerationStream(self, self.tokenize_prompt(prompt), params)
+        parts = self.tokenize_prompt(prompt)
+        ids = [t for part in parts for t in part[0]]
+        loop = self.loop
+        max_new = min(params.max_tokens, self.context_window - len(ids))
+        if loop.blocks.blocks_for(len(ids) + max_new) > len(loop.blocks.blocks):
+            raise PromptTooLong(len(ids) + max_new, loop.blocks.block_size * len(loop.blocks.blocks))
+        planned = self._planner is not None and any(c for _, c, _ in parts)
+        seq = Sequence(
+            ids,
+            params,
+            max_new,
+            salt="\x00".join(sorted({s.namespace for _, _, s in parts})),
+            parts=parts if planned else None,
+            shareable=not planned,
+        )
+        loop.submit(seq)
+        return GenerationStream(seq)
 
     def generate(self, prompt, params: SamplingParams | None = None, **kw) -> Generation:
+        """Generate to the end. Thread-safe, like `stream`."""
         s = self.stream(prompt, params, **kw)
         for _ in s:
             pass
@@ -227,83 +257,31 @@ class Engine:
 
 
 class GenerationStream:
-    """Iterator of text pieces; `.result` holds the whole Generation once exhausted."""
+    """Iterator of text pieces as they are produced; `.result` holds the whole Generation
+    once exhausted. Closing it (or dropping it) early cancels the request."""
 
-    def __init__(self, engine: Engine, parts, params: SamplingParams):
-        self.engine = engine
-        self.parts = parts
-        self.params = params
+    def __init__(self, seq: Sequence):
+        self._seq = seq
         self.result: Generation | None = None
-        self._it = self._run()
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._it)
+        if self.result is not None:
+            raise StopIteration
+        item = self._seq.out.get()
+        if isinstance(item, Generation):
+            self.result = item
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
 
-    @torch.inference_mode()
-    def _run(self) -> Iterator[str]:
-        e, p = self.engine, self.params
-        t0 = time.perf_counter()
-        ids = [t for part in self.parts for t in part[0]]
-        n = len(ids)
-        budget = min(p.max_tokens, e.context_window - n)
-        kv = DenseKV(e.model, n + budget, e.device, e.dtype)
-        stats = GenerationStats(prompt_tokens=n)
-        if e._planner is not None and any(c for _, c, _ in self.parts):
-            r = e._planner(e, self.parts)
-            kv.load(r.k, r.v)
-            logits = r.last_logits
-            stats.reused_tokens, stats.recomputed_tokens, stats.prefilled_tokens = r.reused, r.recomputed, r.prefilled
-            stats.segments = r.segments
-        else:
-            logits = e.prefill_dense(ids, kv)
-            stats.prefilled_tokens = n
-        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-        out: list[int] = []
-        text = ""
-        emitted = 0
-        finish = "length"
-        for step in range(budget):
-            tok = int(sample(logits[None], p, gen)[0])
-            if step == 0:
-                stats.ttft_s = time.perf_counter() - t0
-            if tok in e.eos_ids:
-                finish = "stop"
-                break
-            out.append(tok)
-            text = e.decode(out)
-            cut = _stop_cut(text, p.stop)
-            if cut is not None:
-                text = text[:cut]
-                finish = "stop"
-                break
-            # hold back what could be the start of a stop string or a partial UTF-8 char
-            safe = len(text) - _holdback(text, p.stop)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            if step + 1 < budget:
-                logits = e.prefill_dense([tok], kv, start=kv.length)
-        if len(text) > emitted:
-            yield text[emitted:]
-        stats.completion_tokens = len(out)
-        stats.total_s = time.perf_counter() - t0
-        stats.finish_reason = finish
-        self.result = Generation(text, out, stats)
+    def close(self) -> None:
+        if self.result is None:
+            self._seq.cancelled = True
 
-
-def _stop_cut(text: str, stops: list[str]) -> int | None:
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(cuts) if cuts else None
-
-
-def _holdback(text: str, stops: list[str]) -> int:
-    hold = 1 if text.endswith("\ufffd") else 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold
+    def __del__(self) -> None:
+        self.close()

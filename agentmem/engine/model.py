@@ -130,10 +130,10 @@ class Block(nn.Module):
         a = self.args
         sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
         self.wqkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        for lin, w in zip((self.q_proj, self.k_proj, self.v_proj), self.wqkv.split(sizes)):
+        for lin, w in zip((self.q_proj, self.k_proj, self.v_proj), self.wqkv.split(sizes), strict=True):
             lin.weight = nn.Parameter(w, requires_grad=False)
         self.w_gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        for lin, w in zip((self.gate_proj, self.up_proj), self.w_gate_up.chunk(2)):
+        for lin, w in zip((self.gate_proj, self.up_proj), self.w_gate_up.chunk(2), strict=True):
             lin.weight = nn.Parameter(w, requires_grad=False)
 
     def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:

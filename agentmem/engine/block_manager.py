@@ -1,0 +1,139 @@
+"""Paged-KV bookkeeping: which pool blocks each sequence holds, shared prefixes, freeing.
+
+No tensors here (kv_pool.py holds them). A full block is named by a hash of its token ids
+chained with the previous block's hash and the sequence's salt (its namespace), so sequences
+that start with the same tokens map onto the same blocks, counted by reference. A freed block
+keeps its hash until it is handed out again, so a later request with that prefix still finds
+it: freed blocks are reused least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool has too few free blocks for the request; the scheduler waits or preempts."""
+
+
+@dataclass
+class Block:
+    id: int
+    ref: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, salt: str, tokens: Iterable[int]) -> int:
+    return hash((prev, salt, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def _match_prefix(self, seq: Sequence) -> list[Block]:
+        """Cached full blocks at the start of seq; always leaves >= 1 token to compute, since
+        the last prompt token's logits are needed."""
+        bs = self.block_size
+        hits: list[Block] = []
+        prev = None
+        for j in range((len(seq.token_ids) - 1) // bs):
+            toks = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            prev = chain_hash(prev, seq.salt, toks)
+            bid = self._by_hash.get(prev)
+            if bid is None or self.blocks[bid].tokens != toks:
+                break
+            hits.append(self.blocks[bid])
+        return hits
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        hits = self._match_prefix(seq) if seq.shareable else []
+        need = self.blocks_for(len(seq.token_ids)) - len(hits) + sum(b.ref == 0 for b in hits)
+        return need + reserve <= self.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its tokens, sharing cached prefix blocks; sets num_computed
+        to the tokens those blocks already hold."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.id} already holds blocks")
+        if not self.can_allocate(seq):
+            raise NoFreeBlocks(f"sequence {seq.id} needs more KV blocks than are free")
+        hits = self._match_prefix(seq) if seq.shareable else []
+        for b in hits:
+            if b.ref == 0:
+                del self._free[b.id]
+            b.ref += 1
+            seq.block_table.append(b.id)
+            seq.block_hashes.append(b.hash)
+        seq.num_cached = seq.num_computed = len(hits) * self.block_size
+        for _ in range(self.blocks_for(len(seq.token_ids)) - len(hits)):
+            seq.block_table.append(self._take().id)
+
+    def _take(self) -> Block:
+        if not self._free:
+            raise NoFreeBlocks("the KV pool is full")
+        bid, _ = self._free.popitem(last=False)
+        b = self.blocks[bid]
+        if b.hash is not None and self._by_hash.get(b.hash) == bid:
+            del self._by_hash[b.hash]
+        b.hash, b.tokens, b.ref = None, (), 1
+        return b
+
+    def ensure_capacity(self, seq: Sequence, n_tokens: int) -> None:
+        """Make seq's table cover n_tokens (one more block at most per decode step)."""
+        while len(seq.block_table) * self.block_size < n_tokens:
+            seq.block_table.append(self._take().id)
+
+    def register(self, seq: Sequence) -> None:
+        """Publish seq's newly filled full blocks for sharing (only exact, computed KV)."""
+        if not seq.shareable:
+            return
+        bs = self.block_size
+        for j in range(len(seq.block_hashes), seq.num_computed // bs):
+            toks = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.salt, toks)
+            b = self.blocks[seq.block_table[j]]
+            b.hash, b.tokens = h, toks
+            self._by_hash.setdefault(h, b.id)
+            seq.block_hashes.append(h)
+
+    def free(self, seq: Sequence) -> None:
+        for bid in reversed(seq.block_table):  # tail first: the prefix stays cached longest
+            b = self.blocks[bid]
+            b.ref -= 1
+            if b.ref == 0:
+                self._free[bid] = None
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed = seq.num_cached = 0
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat pool slots of token positions start..end-1 of seq."""
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def utilization(self, seqs: Iterable[Sequence]) -> tuple[int, int]:
+        """(used, allocated) token slots over the blocks the live sequences hold; a shared
+        block counts once."""
+        fill: dict[int, int] = {}
+        for s in seqs:
+            n = s.num_computed
+            for j, bid in enumerate(s.block_table):
+                fill[bid] = max(fill.get(bid, 0), min(self.block_size, max(0, n - j * self.block_size)))
+        return sum(fill.values()), len(fill) * self.block_size

@@ -1,0 +1,190 @@
+"""The engine's one background thread: it owns the KV pool and the scheduler, and turns the
+requests of every calling thread into batched forward steps.
+
+Callers never touch tensors of the loop: they put a `Sequence` in the inbox and read text
+pieces (then a `Generation`, or an exception) from the sequence's own queue. So
+`Engine.generate` is thread-safe, and concurrent requests share decode steps.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .block_manager import BlockManager
+from .kv_pool import KVPool
+from .model_runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        cfg = engine.config
+        self.engine = engine
+        num_blocks = max(1, cfg.kv_pool_tokens // cfg.kv_block_size)
+        self.blocks = BlockManager(num_blocks, cfg.kv_block_size)
+        self.pool = KVPool(engine.model.args, num_blocks, cfg.kv_block_size, engine.device, engine.dtype)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch, cfg.prefill_chunk)
+        self.runner = ModelRunner(engine.model, self.pool, self.blocks, engine.device)
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._kv_used = 0
+        self._kv_allocated = 0
+        self.steps = 0
+
+    # --- callers' side -------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        self._inbox.put(seq)
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="agentmem-engine", daemon=True)
+                self._thread.start()
+
+    def kv_utilization(self) -> float:
+        """Used / allocated KV bytes over the running sequences, summed over steps since the
+        last reset: how much of the memory handed to requests holds real tokens."""
+        return self._kv_used / self._kv_allocated if self._kv_allocated else 0.0
+
+    def reset_stats(self) -> None:
+        self._kv_used = self._kv_allocated = 0
+        self.steps = 0
+
+    # --- the loop thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_num_threads(torch.get_num_threads())
+        while True:
+            if not self.scheduler.has_work():
+                self.scheduler.add(self._inbox.get())
+            while True:
+                try:
+                    self.scheduler.add(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self.step()
+            except Exception as exc:  # a failed forward fails its requests, not the loop
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self.scheduler.remove(seq)
+                    seq.out.put(exc)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.cancelled]:
+            self._finish(seq, "cancelled")
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
+        self.steps += 1
+        ready: list[tuple[Sequence, torch.Tensor]] = []
+        for sc in batch:
+            if sc.plan:
+                logits = self._plan(sc)
+                if logits is not None:
+                    ready.append((sc.seq, logits))
+        model_batch = [sc for sc in batch if not sc.plan]
+        if model_batch:
+            logits, seqs = self.runner.run(model_batch)
+            ready += zip(seqs, logits, strict=True)
+            for sc in model_batch:
+                seq = sc.seq
+                if seq.num_computed == seq.prompt_len and not seq.generated:  # its prompt is in
+                    seq.reused, seq.prefilled = seq.num_cached, seq.prompt_len - seq.num_cached
+                self.blocks.register(seq)
+        used, allocated = self.blocks.utilization(self.scheduler.running)
+        self._kv_used += used
+        self._kv_allocated += allocated
+        self._sample(ready)
+
+    def _plan(self, sc: Scheduled) -> torch.Tensor | None:
+        """Fill the sequence's blocks with the planner's K/V; its last logits come back."""
+        seq, e = sc.seq, self.engine
+        try:
+            r = e._planner(e, seq.parts)
+            n = r.k[0].shape[0]
+            if n != seq.num_pending:
+                raise ValueError(f"the prefill planner returned K/V for {n} tokens, the prompt has {seq.num_pending}")
+            slots = torch.tensor(self.blocks.slots(seq, 0, n), device=e.device)
+            for i in range(len(r.k)):
+                self.pool.write(i, slots, r.k[i], r.v[i])
+        except Exception as exc:
+            self.scheduler.remove(seq)
+            seq.out.put(exc)
+            return None
+        seq.num_computed = n
+        seq.reused, seq.recomputed, seq.prefilled, seq.segments = r.reused, r.recomputed, r.prefilled, r.segments
+        return r.last_logits
+
+    def _sample(self, ready: list[tuple[Sequence, torch.Tensor]]) -> None:
+        if not ready:
+            return
+        logits = torch.stack([lg for _, lg in ready]).float()
+        greedy = logits.argmax(-1).tolist()
+        for j, (seq, lg) in enumerate(ready):
+            tok = greedy[j] if seq.params.temperature == 0.0 else int(sample(lg[None], seq.params, seq.generator)[0])
+            self._advance(seq, tok)
+
+    def _advance(self, seq: Sequence, tok: int) -> None:
+        e, p = self.engine, seq.params
+        if not seq.generated and not seq.ttft_s:
+            seq.ttft_s = time.perf_counter() - seq.t_submit
+        if tok in e.eos_ids:
+            return self._finish(seq, "stop")
+        seq.token_ids.append(tok)
+        text = e.decode(seq.generated)
+        cut = _stop_cut(text, p.stop)
+        if cut is not None:
+            seq.text = text[:cut]
+            return self._finish(seq, "stop")
+        seq.text = text
+        # hold back what could be the start of a stop string or a partial UTF-8 character
+        safe = len(text) - _holdback(text, p.stop)
+        if safe > seq.emitted:
+            seq.out.put(text[seq.emitted : safe])
+            seq.emitted = safe
+        if len(seq.generated) >= seq.max_new:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        from .engine import Generation, GenerationStats
+
+        self.scheduler.remove(seq)
+        if len(seq.text) > seq.emitted:
+            seq.out.put(seq.text[seq.emitted :])
+            seq.emitted = len(seq.text)
+        stats = GenerationStats(
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=len(seq.generated),
+            reused_tokens=seq.reused,
+            recomputed_tokens=seq.recomputed,
+            prefilled_tokens=seq.prefilled,
+            ttft_s=seq.ttft_s,
+            total_s=time.perf_counter() - seq.t_submit,
+            finish_reason=reason,
+            segments=seq.segments,
+        )
+        seq.out.put(Generation(seq.text, list(seq.generated), stats))
+
+
+def _stop_cut(text: str, stops: list[str]) -> int | None:
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(cuts) if cuts else None
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    hold = 1 if text.endswith("\ufffd") else 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
