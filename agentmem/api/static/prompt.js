@@ -1,0 +1,87 @@
+// The turn inspector: what went into one assembled prompt, segment by segment, and where
+// each segment's KV came from (reused from the chunk cache, blended, or prefilled anew).
+
+import { h, when } from "./dom.js";
+
+export const TIERS = ["system", "core", "summary", "recall", "turn", "user"];
+export const KV = ["reused", "blended", "prefilled"];
+
+// A turn's trace is written by the session; its numbers may sit at the top or under "stats".
+export function stat(trace, key) {
+  return trace?.[key] ?? trace?.stats?.[key] ?? null;
+}
+
+function kvOf(how) {
+  const v = String(how ?? "").toLowerCase();
+  if (v.startsWith("reuse") || v === "prefix" || v === "cached") return "reused";
+  if (v.startsWith("blend")) return "blended";
+  return "prefilled";
+}
+
+export function segmentsOf(trace) {
+  const segs = trace?.segments ?? trace?.stats?.segments ?? [];
+  return segs.map((seg) => ({
+    tier: TIERS.includes(seg.tier) ? seg.tier : "other",
+    label: seg.tier || "other",
+    tokens: Number(seg.tokens ?? seg.n_tokens ?? 0),
+    kv: kvOf(seg.how ?? seg.kv ?? seg.cache),
+    ref: seg.ref ?? null,
+    text: seg.text ?? "",
+  }));
+}
+
+// Share of prompt tokens whose KV was not computed from scratch in this turn.
+export function hitRatio(trace) {
+  const given = stat(trace, "cache_hit_ratio");
+  if (given !== null) return Number(given);
+  const prompt = stat(trace, "prompt_tokens");
+  const reused = stat(trace, "reused_tokens");
+  if (prompt && reused !== null) return reused / prompt;
+  const segs = segmentsOf(trace);
+  const total = segs.reduce((a, x) => a + x.tokens, 0);
+  const cached = segs.filter((x) => x.kv !== "prefilled").reduce((a, x) => a + x.tokens, 0);
+  return total ? cached / total : 0;
+}
+
+function legend(items, prefix) {
+  return h("div", { class: "legend" }, items.map((t) => h("span", {}, h("i", { class: `${prefix}-${t}` }), t)));
+}
+
+function statBox(value, label) {
+  return h("div", { class: "stat" }, h("b", {}, value), h("span", {}, label));
+}
+
+function fmtS(x) { return x === null || x === undefined ? "–" : `${(Number(x) * 1000).toFixed(0)} ms`; }
+
+export function renderTurn(turn, { onRef } = {}) {
+  const trace = turn.trace || {};
+  const segs = segmentsOf(trace);
+  const total = segs.reduce((a, x) => a + x.tokens, 0) || 1;
+  const prompt = stat(trace, "prompt_tokens") ?? total;
+  const tip = (x) => `${x.label} · ${x.tokens} tokens · ${x.kv}`;
+  return h("div", { class: "turn", "data-turn": turn.id },
+    h("h3", {}, `Turn ${turn.id}`, h("span", { class: "hint" }, ` · session ${turn.session_id} · ${when(turn.created_at)}`)),
+    h("div", { class: "stats" },
+      statBox(fmtS(stat(trace, "ttft_s")), "time to first token"),
+      statBox(String(prompt), "prompt tokens"),
+      statBox(`${(hitRatio(trace) * 100).toFixed(0)}%`, "KV cache hit ratio"),
+      statBox(String(stat(trace, "completion_tokens") ?? "–"), "reply tokens"),
+      statBox(String(segs.length), "segments")),
+    h("div", { class: "bar", title: "segments by tier, width = tokens" },
+      segs.map((x) => h("div", { class: `tier-${x.tier}`, style: `flex:${x.tokens}`, title: tip(x) }))),
+    h("div", { class: "bar kv", title: "where each segment's KV came from" },
+      segs.map((x) => h("div", { class: `kv-${x.kv}`, style: `flex:${x.tokens}`, title: tip(x) }))),
+    legend([...TIERS, "other"], "tier"),
+    legend(KV, "kv"),
+    segs.some((x) => x.text) ? h("div", { class: "prompt", title: "the assembled prompt, coloured by tier" },
+      segs.map((x) => h("span", { class: `p-${x.tier}`, title: tip(x) }, x.text))) : null,
+    h("table", { class: "segments" },
+      h("thead", {}, h("tr", {}, ["#", "tier", "tokens", "KV", "source", "text"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, segs.map((x, i) => h("tr", { "data-kv": x.kv, "data-tier": x.label },
+        h("td", {}, String(i)),
+        h("td", {}, h("span", { class: `swatch tier-${x.tier}` }), x.label),
+        h("td", {}, String(x.tokens)),
+        h("td", {}, h("span", { class: `swatch kv-${x.kv}` }), x.kv),
+        h("td", {}, x.ref ? h("a", { class: "ref", onclick: () => onRef?.(x.ref) }, x.ref) : ""),
+        h("td", { class: "seg-text" }, x.text))))));
+}
