@@ -1,0 +1,14 @@
+"""agentmem: long, accurate memory for chatbots on a small model, with chunk-KV reuse."""
+
+from __future__ import annotations
+
+__all__ = ["AgentSession"]
+
+
+def __getattr__(name: str):
+    # imported lazily so that `import agentmem` (and the CLI) stays instant
+    if name == "AgentSession":
+        from .session import AgentSession
+
+        return AgentSession
+    raise AttributeError(f"module 'agentmem' has no attribute {name!r}")

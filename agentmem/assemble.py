@@ -1,0 +1,141 @@
+"""Prompt assembly: the working context and recalled memories, as ordered `Segment`s.
+
+Order (the design's): one system message holding the persona, the core blocks, the running
+summary and the recalled memories, then the recent turns, the new user turn and the
+generation prefix. The system message is split into segments so each piece keeps its own
+KV: a recalled memory is a segment whose text depends only on the memory itself (its date,
+who said it, its stored or compressed text), never on the turn, so the same memory gives
+the same tokens every time it is recalled and its cached KV can be reused or blended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .engine import Segment
+from .tiers.records import CoreBlock, Hit, Message
+
+RECALL_SHARE = 0.35  # of the budget the recalled memories may use
+MIN_SIMILARITY = 0.1  # below this a hit is noise, not memory
+TURN_SHARE = 0.25  # a single message longer than this share of the budget is cut to it
+RECALL_HEADER = "Memories from earlier conversations (oldest first):\n"
+SUMMARY_HEADER = "Summary of the earlier part of this conversation:\n"
+
+
+@dataclass
+class ContextSegment:
+    tier: str  # system | core | summary | recall | turn | user | generation
+    text: str
+    tokens: int
+    ref: str | None = None
+    memory_ids: list[str] = field(default_factory=list)
+    cacheable: bool = True
+
+    def to_dict(self) -> dict:
+        return {"tier": self.tier, "text": self.text, "tokens": self.tokens, "ref": self.ref,
+                "memory_ids": list(self.memory_ids), "cacheable": self.cacheable}
+
+
+@dataclass
+class Context:
+    """The prompt one turn would use, with where each piece came from."""
+
+    segments: list[ContextSegment]
+    memories: list[Hit]
+    namespace: str = ""
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.segments)
+
+    @property
+    def prompt(self) -> list[Segment]:
+        return [Segment(s.text, cacheable=s.cacheable, tier=s.tier, ref=s.ref, namespace=self.namespace)
+                for s in self.segments]
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.segments:
+            out[s.tier] = out.get(s.tier, 0) + s.tokens
+        return out
+
+    def to_dict(self) -> dict:
+        return {"total_tokens": self.total_tokens, "tokens_by_tier": self.tokens_by_tier(),
+                "segments": [s.to_dict() for s in self.segments],
+                "memories": [h.to_dict() | {"ref": h.ref} for h in self.memories]}
+
+
+def memory_line(hit: Hit) -> str:
+    """A recalled memory as prompt text: stable across turns (no rank, no score)."""
+    text = " ".join((hit.compressed_text or hit.text).split())
+    who = hit.role if hit.kind == "message" else hit.kind
+    return f"- {hit.time:%Y-%m-%d} {who}: {text}\n"
+
+
+class Assembler:
+    """Builds a `Context` with the engine's chat format and token counter."""
+
+    def __init__(self, engine, budget: int):
+        self.engine = engine
+        self.budget = budget
+        self.sys_open, self.sys_close = engine.chat.wraps["system"]
+
+    def count(self, text: str) -> int:
+        return self.engine.count_tokens(text)
+
+    def clip(self, text: str, tokens: int) -> str:
+        """Keep the last `tokens` tokens of an over-long message (its question is usually last)."""
+        ids = self.engine.encode(text)
+        return text if len(ids) <= tokens else "... " + self.engine.decode(ids[-tokens:])
+
+    def _seg(self, tier: str, text: str, ref: str | None = None, cacheable: bool = True,
+             memory_ids: list[str] | None = None) -> ContextSegment:
+        return ContextSegment(tier, text, self.count(text), ref, memory_ids or [], cacheable)
+
+    def fixed(self, blocks: list[CoreBlock], user_text: str) -> list[ContextSegment]:
+        """Segments every prompt has whatever the history: system, core, user turn, prefix."""
+        persona = next((b.value for b in blocks if b.label == "persona"), "")
+        segs = [self._seg("system", f"{self.sys_open}{persona}\n", ref="core:persona")]
+        for b in blocks:
+            if b.label != "persona" and b.value.strip():
+                segs.append(self._seg("core", f"[{b.label}]\n{b.value.strip()}\n", ref=f"core:{b.label}"))
+        segs.append(self._seg("system", self.sys_close, ref="system:close"))
+        segs.append(self._seg("user", self.engine.format_message("user", self.clip(user_text, self.turn_cap))))
+        segs.append(self._seg("generation", self.engine.chat.generation_prefix, cacheable=False))
+        return segs
+
+    @property
+    def turn_cap(self) -> int:
+        return max(16, int(TURN_SHARE * self.budget))
+
+    def select_memories(self, hits: list[Hit]) -> list[tuple[Hit, ContextSegment]]:
+        """Best-scored hits first until the recall share is used, then shown oldest first so
+        that a changed fact reads in the order it changed."""
+        room = int(RECALL_SHARE * self.budget) - self.count(RECALL_HEADER)
+        chosen = []
+        for h in hits:
+            if h.similarity < MIN_SIMILARITY:
+                continue
+            seg = self._seg("recall", memory_line(h), ref=h.ref, memory_ids=[h.ref])
+            if seg.tokens <= room:
+                chosen.append((h, seg))
+                room -= seg.tokens
+        chosen.sort(key=lambda hs: (hs[0].time, hs[0].ref))
+        return chosen
+
+    def build(self, blocks: list[CoreBlock], summary: str, memories: list[tuple[Hit, ContextSegment]],
+              recent: list[Message], user_text: str, namespace: str = "") -> Context:
+        fixed = self.fixed(blocks, user_text)
+        head, close, tail = fixed[:-3], fixed[-3], fixed[-2:]
+        segs = list(head)
+        if summary:
+            segs.append(self._seg("summary", f"{SUMMARY_HEADER}{summary}\n", ref="summary"))
+        if memories:
+            segs.append(self._seg("recall", RECALL_HEADER, ref="recall:header"))
+            segs += [seg for _, seg in memories]
+        segs.append(close)
+        for m in recent:
+            segs.append(self._seg("turn", self.engine.format_message(m.role, self.clip(m.text, self.turn_cap)),
+                                  ref=f"message:{m.id}"))
+        segs += tail
+        return Context(segs, [h for h, _ in memories], namespace)

@@ -1,0 +1,160 @@
+"""`AgentSession`: one user's conversation with memory, the turn of the design wired up.
+
+A turn: store the user's message (committed before anything else), index it for recall,
+fit the working context to its budget (evicting into the summary), recall memories for the
+message, assemble the prompt as segments (namespace = tenant, so chunk KV never crosses
+tenants), generate, then store the reply and a trace of what went into the prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from .assemble import RECALL_SHARE, Assembler, Context
+from .config import Config
+from .tiers import MemoryStore, WorkingContext, clean_text
+from .tiers.records import Memory, Message
+
+
+@dataclass
+class TurnTrace:
+    """What one turn did: prompt segments with their KV fate, memories used, engine stats."""
+
+    session_id: str
+    segments: list[dict]
+    memories_used: list[dict]
+    stats: object  # engine GenerationStats
+    message_ids: list[int]
+    evicted: list[int] = field(default_factory=list)
+    reply: str = ""
+
+    def to_dict(self) -> dict:
+        s = self.stats
+        stats = {k: getattr(s, k) for k in ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens",
+                                            "prefilled_tokens", "ttft_s", "total_s", "finish_reason")}
+        stats["cache_hit_ratio"] = s.cache_hit_ratio
+        return {"session_id": self.session_id, "segments": self.segments, "memories_used": self.memories_used,
+                "stats": stats, "message_ids": self.message_ids, "evicted": self.evicted, "reply": self.reply}
+
+
+class AgentSession:
+    def __init__(self, user_id: str, tenant_id: str = "default", session_id: str | None = None,
+                 config: Config | None = None, engine=None, store: MemoryStore | None = None):
+        self.config = config or (store.config if store is not None else Config())
+        if engine is None:
+            from .engine import Engine
+
+            engine = Engine.load(self.config)
+        self.engine = engine
+        self.store = store or MemoryStore(self.config)
+        self.tenant_id, self.user_id = tenant_id, user_id
+        budget = self.config.context_budget
+        if budget + self.config.reply_tokens >= engine.context_window:
+            raise ValueError(f"context_budget {budget} + reply_tokens {self.config.reply_tokens} must be below the "
+                             f"model's context window {engine.context_window}")
+        self.assembler = Assembler(engine, budget)
+        self.last_turn: TurnTrace | None = None
+        self._lock = threading.RLock()
+        self._open(session_id)
+
+    def _open(self, session_id: str | None) -> None:
+        info = self.store.open_session(self.tenant_id, self.user_id, session_id)
+        self.session_id = info.id
+        self.working = WorkingContext.open(self.store, self.tenant_id, self.user_id, self.session_id,
+                                           self.engine.count_tokens, self.config.context_budget,
+                                           self.config.evict_trigger)
+
+    # --- the turn ----------------------------------------------------------------------------
+    def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
+             temperature: float = 0.0) -> str | Iterator[str]:
+        """Reply to `text`. With stream=True, an iterator of text pieces; the reply is stored
+        and `last_turn` set when it is exhausted. The user's message is committed first."""
+        with self._lock:
+            text = clean_text(text, "message")
+            user_msg = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
+                                               [{"role": "user", "content": text}])
+            ctx, evicted = self._prepare(text, persist=True, exclude={user_msg[0].id})
+            self.working.push(user_msg)
+            gen = self.engine.stream(ctx.prompt, max_tokens=max_tokens or self.config.reply_tokens,
+                                     temperature=temperature)
+        pieces = self._finish(gen, ctx, user_msg[0], evicted)
+        if stream:
+            return pieces
+        return "".join(pieces)
+
+    def _finish(self, gen, ctx: Context, user_msg: Message, evicted: list[int]) -> Iterator[str]:
+        yield from gen
+        result = gen.result
+        with self._lock:
+            reply = result.text.strip()
+            ids = [user_msg.id]
+            if reply:
+                stored = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
+                                                 [{"role": "assistant", "content": reply}])
+                self.working.push(stored)
+                ids.append(stored[0].id)
+            trace = TurnTrace(self.session_id, _segment_trace(ctx, result.stats), _memories_trace(ctx),
+                              result.stats, ids, evicted, reply)
+            self.store.record_turn(self.tenant_id, self.user_id, self.session_id, trace.to_dict())
+            self.last_turn = trace
+
+    def _prepare(self, text: str, persist: bool, exclude: frozenset | set = frozenset()) -> tuple[Context, list[int]]:
+        """Fit the working context and assemble the prompt for `text` as the next user turn."""
+        working = self.working if persist else replace(self.working, queue=list(self.working.queue), persist=False)
+        blocks = working.core_blocks()
+        fixed = sum(s.tokens for s in self.assembler.fixed(blocks, text))
+        summary_tokens = self.engine.count_tokens(working.summary) if working.summary else 0
+        evicted = working.fit(fixed + summary_tokens + int(RECALL_SHARE * self.config.context_budget), keep_last=0)
+        hits = self.store.search(self.tenant_id, self.user_id, text, k=self.config.recall_k,
+                                 exclude_messages={m.id for m in working.queue} | set(exclude))
+        memories = self.assembler.select_memories(hits)
+        ctx = self.assembler.build(blocks, working.summary, memories, working.queue, text, namespace=self.tenant_id)
+        return ctx, [m.id for m in evicted]
+
+    # --- the rest of the API -----------------------------------------------------------------
+    def add_messages(self, messages: list[dict]) -> list[Message]:
+        """Import history without generating (times may be given: created_at, event_time).
+        The messages join this session's working context, evicting into the summary as needed."""
+        with self._lock:
+            stored = self.store.add_messages(self.tenant_id, self.user_id, self.session_id, messages)
+            self.working.push(stored)
+            self.working.fit(int(RECALL_SHARE * self.config.context_budget))
+            return stored
+
+    def search(self, query: str, k: int = 10, since: datetime | None = None, until: datetime | None = None):
+        return self.store.search(self.tenant_id, self.user_id, query, k, since, until)
+
+    def context(self, query: str) -> Context:
+        """The prompt a turn with `query` would use now; nothing is stored or evicted."""
+        with self._lock:
+            return self._prepare(clean_text(query, "query"), persist=False)[0]
+
+    def memories(self, status: str | None = None) -> list[Memory]:
+        return self.store.list_memories(self.tenant_id, self.user_id, status)
+
+    def forget(self) -> None:
+        """Delete this user's data in every tier: archive rows, recall vectors, and cached KV
+        (through the store's forget hooks). The session starts afresh afterwards."""
+        with self._lock:
+            if self.store.archive.user_exists(self.tenant_id, self.user_id):
+                self.store.delete_user(self.tenant_id, self.user_id)
+            self.last_turn = None
+            self._open(None)
+
+
+def _segment_trace(ctx: Context, stats) -> list[dict]:
+    per_seg = list(getattr(stats, "segments", None) or [])
+    out = []
+    for i, s in enumerate(ctx.segments):
+        info = per_seg[i] if i < len(per_seg) else {}
+        kv = info.get("how") or info.get("kv") or "prefilled"
+        out.append({"tier": s.tier, "text": s.text, "tokens": s.tokens, "ref": s.ref, "kv": kv})
+    return out
+
+
+def _memories_trace(ctx: Context) -> list[dict]:
+    return [{"ref": h.ref, "id": h.id, "kind": h.kind, "text": h.text, "score": round(h.score, 4),
+             "time": h.time.isoformat(), "source_ids": h.source_ids} for h in ctx.memories]

