@@ -4,8 +4,6 @@ softmax in fp32)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -33,22 +31,24 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """One decode query per sequence against its paged keys 0..seq_len-1; fp32 softmax."""
+    """One decode query per sequence against its paged keys 0..seq_len-1.
+
+    Gathers each sequence's blocks (table entries past seq_len are never meaningful, so any
+    value there, even -1, is clamped to a valid block and masked) and runs SDPA, whose CPU
+    kernels accumulate the softmax in fp32 for every input dtype. A sequence of length 0
+    gets zeros.
+    """
     batch, heads, hd = q.shape
-    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    out = torch.zeros(batch, heads, hd, dtype=torch.float32, device=q.device)
-    for b in range(batch):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        j = torch.arange(n, device=q.device)
-        blocks = block_tables[b, j // block_size].long()
-        k = k_pool[blocks, j % block_size].float().repeat_interleave(heads // kv_heads, dim=1)  # [n, H, hd]
-        v = v_pool[blocks, j % block_size].float().repeat_interleave(heads // kv_heads, dim=1)
-        p = torch.einsum("hd,nhd->hn", q[b].float(), k).mul(scale).softmax(dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", p, v)
-    return out.to(q.dtype)
+    _, block_size, kv_heads, _ = k_pool.shape
+    tables = block_tables.long().clamp(min=0)
+    length = tables.shape[1] * block_size
+    k = k_pool[tables].view(batch, length, kv_heads, hd).transpose(1, 2)
+    v = v_pool[tables].view(batch, length, kv_heads, hd).transpose(1, 2)
+    mask = torch.arange(length, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )[:, :, 0, :]
+    return torch.where(mask.any(dim=1)[:, None, None], out, 0.0).to(q.dtype)
 
 
 def selected_attention_ref(

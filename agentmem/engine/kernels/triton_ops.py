@@ -26,6 +26,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _dot_upcast(dtype: torch.dtype) -> bool:
+    """The interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9), so
+    under it half-precision operands are widened first. Products of half-precision values
+    are exact in fp32, so this only changes the summation order against a GPU's MMA."""
+    return bool(triton.knobs.runtime.interpret) and dtype != torch.float32
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
 # --- RoPE at arbitrary positions -----------------------------------------------------------
 
 
@@ -88,7 +104,7 @@ def _paged_decode_kernel(
     so_b, so_h, so_s, so_d,
     sm_b, sm_h, sm_s,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = one sequence x one KV head (all GROUP query heads that share it, padded
     to a tl.dot-sized tile) x one split of the keys. With SPLIT the partial (max, sum,
@@ -123,7 +139,7 @@ def _paged_decode_kernel(
             k_ptr + blk[:, None] * sk_blk + slot[:, None] * sk_slot + kvh * sk_h + d[None, :] * sk_d,
             mask=kv_mask, other=0.0,
         )
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        scores = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         scores = tl.where(jmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -133,7 +149,7 @@ def _paged_decode_kernel(
             v_ptr + blk[:, None] * sv_blk + slot[:, None] * sv_slot + kvh * sv_h + d[None, :] * sv_d,
             mask=kv_mask, other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
     out_mask = gmask[:, None] & dmask[None, :]
@@ -177,7 +193,7 @@ def paged_decode_attention(
         split_len = max(max_seq_len, 1)
     common = dict(
         GROUP=group, G_PAD=_pow2(group, _MIN_DOT), D_PAD=_pow2(hd, _MIN_DOT), BLOCK_N=_pow2(block_n, _MIN_DOT),
-        SPLIT=splits > 1, PRECISION=_dot_precision(q.dtype),
+        SPLIT=splits > 1, PRECISION=_dot_precision(q.dtype), UPCAST=_dot_upcast(q.dtype),
     )
     grid = (batch, kv_heads, splits)
     args = (
@@ -215,7 +231,7 @@ def _selected_attention_kernel(
     n_q, n_k, hd, qk_scale,
     sq_n, sq_h, sq_d, sk_n, sk_h, sk_d, sv_n, sv_h, sv_d, so_n, so_h, so_d,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = BLOCK_M queries x one query head, streaming all key tiles with an online
     softmax. The mask is by position, not by index, so any subset and order of positions is
@@ -245,7 +261,7 @@ def _selected_attention_kernel(
         if k_first <= q_last:
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + n_offs[:, None] * sk_n + kvh * sk_h + d[None, :] * sk_d, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            scores = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
             visible = nmask[None, :] & (k_pos[None, :] <= q_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -253,7 +269,7 @@ def _selected_attention_kernel(
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + n_offs[:, None] * sv_n + kvh * sv_h + d[None, :] * sv_d, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -286,6 +302,6 @@ def selected_attention(
         n_q, n_k, hd, (1.0 / math.sqrt(hd) if scale is None else scale) * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=_pow2(block_n, _MIN_DOT), D_PAD=_pow2(hd, _MIN_DOT),
-        PRECISION=_dot_precision(q.dtype),
+        PRECISION=_dot_precision(q.dtype), UPCAST=_dot_upcast(q.dtype),
     )
     return out
