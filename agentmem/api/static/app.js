@@ -172,8 +172,7 @@ const VIEWS = {
     const replies = msgs.filter((m) => m.role === "assistant");
     const turnFor = new Map();
     sessTurns.forEach((t, i) => {
-      const id = t.trace?.reply_id ?? t.trace?.message_id ?? replies[i]?.id;
-      if (id !== undefined) turnFor.set(String(id), t.id);
+      for (const id of t.trace?.message_ids ?? [replies[i]?.id]) if (id !== undefined) turnFor.set(String(id), t.id);
     });
     const msg = (m) => h("div", { class: `msg ${m.role}`, "data-message": m.id, "data-focus": `message-${m.id}` },
       h("div", { class: "meta" }, `#${m.id} · ${m.role} · ${when(m.event_time || m.created_at)} `,

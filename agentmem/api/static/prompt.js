@@ -3,7 +3,7 @@
 
 import { h, when } from "./dom.js";
 
-export const TIERS = ["system", "core", "summary", "recall", "turn", "user"];
+export const TIERS = ["system", "core", "summary", "recall", "turn", "user", "generation"];
 export const KV = ["reused", "blended", "prefilled"];
 
 // A turn's trace is written by the session; its numbers may sit at the top or under "stats".
@@ -53,6 +53,14 @@ function statBox(value, label) {
 
 function fmtS(x) { return x === null || x === undefined ? "–" : `${(Number(x) * 1000).toFixed(0)} ms`; }
 
+function memoriesUsed(trace, onRef) {
+  const used = trace.memories_used || [];
+  if (!used.length) return null;
+  return h("div", { class: "used" }, h("h3", {}, `Memories recalled (${used.length})`),
+    h("ul", {}, used.map((m) => h("li", {},
+      h("a", { class: "ref", onclick: () => onRef?.(m.ref) }, m.ref), ` ${m.kind ?? ""} · score ${m.score ?? "–"} · `, m.text))));
+}
+
 export function renderTurn(turn, { onRef } = {}) {
   const trace = turn.trace || {};
   const segs = segmentsOf(trace);
@@ -75,6 +83,7 @@ export function renderTurn(turn, { onRef } = {}) {
     legend(KV, "kv"),
     segs.some((x) => x.text) ? h("div", { class: "prompt", title: "the assembled prompt, coloured by tier" },
       segs.map((x) => h("span", { class: `p-${x.tier}`, title: tip(x) }, x.text))) : null,
+    memoriesUsed(trace, onRef),
     h("table", { class: "segments" },
       h("thead", {}, h("tr", {}, ["#", "tier", "tokens", "KV", "source", "text"].map((c) => h("th", {}, c)))),
       h("tbody", {}, segs.map((x, i) => h("tr", { "data-kv": x.kv, "data-tier": x.label },
@@ -83,5 +92,5 @@ export function renderTurn(turn, { onRef } = {}) {
         h("td", {}, String(x.tokens)),
         h("td", {}, h("span", { class: `swatch kv-${x.kv}` }), x.kv),
         h("td", {}, x.ref ? h("a", { class: "ref", onclick: () => onRef?.(x.ref) }, x.ref) : ""),
-        h("td", { class: "seg-text" }, x.text))))));
+        h("td", { class: "seg-text", title: x.text }, x.text.length > 160 ? `${x.text.slice(0, 160)}…` : x.text))))));
 }
