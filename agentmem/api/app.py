@@ -1,0 +1,112 @@
+"""The FastAPI app: `create_app(config, engine=None, store=None)`.
+
+Everything the routes share lives on one `Services` object in `app.state`; nothing is a
+module global, so tests can run several apps in one process. The model is loaded on first
+use (or handed in), so the memory endpoints and the admin path never wait for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from sqlalchemy import text
+
+from ..config import Config
+from ..tiers.store import MemoryStore
+from . import errors
+from .chat import ChatService
+from .limits import BodyLimit, Limits, RateLimiter
+from .metrics import Metrics
+
+KEY_CACHE_SECONDS = 5.0
+
+
+class Services:
+    def __init__(self, config: Config, engine, store: MemoryStore, limits: Limits):
+        self.config = config
+        self.store = store
+        self.limits = limits
+        self.metrics = Metrics()
+        self.rate = RateLimiter(limits.rate_per_minute)
+        self._engine = engine
+        self._engine_lock = threading.Lock()
+        self._keys: dict[str, tuple[str | None, float]] = {}
+        self.chat = ChatService(config, store, self.engine, limits)
+        store.forget_hooks.append(self._forget)
+
+    def engine(self):
+        """The engine, loaded on first use."""
+        with self._engine_lock:
+            if self._engine is None:
+                from ..engine import Engine
+
+                self._engine = Engine.load(self.config)
+            return self._engine
+
+    @property
+    def engine_loaded(self) -> bool:
+        return self._engine is not None
+
+    def tenant_for_key(self, key_hash: str) -> str | None:
+        """Key lookups are cached briefly: every request needs one, keys rarely change."""
+        now = time.monotonic()
+        hit = self._keys.get(key_hash)
+        if hit is not None and now - hit[1] < KEY_CACHE_SECONDS:
+            return hit[0]
+        tenant = self.store.tenant_for_key_hash(key_hash)
+        self._keys[key_hash] = (tenant, now)
+        return tenant
+
+    def _forget(self, tenant_id: str, user_id: str | None) -> None:
+        self.chat.forget(tenant_id, user_id)
+        if user_id is None:
+            self.metrics.forget_tenant(tenant_id)
+            self.rate.forget(tenant_id)
+            self._keys = {h: v for h, v in self._keys.items() if v[0] != tenant_id}
+
+
+def create_app(config: Config | None = None, engine=None, store: MemoryStore | None = None,
+               limits: Limits | None = None, ui: bool = True) -> FastAPI:
+    from .chat_routes import router as chat_router
+    from .memory_routes import router as memory_router
+
+    config = config or Config()
+    store = store or MemoryStore(config)
+    services = Services(config, engine, store, limits or Limits())
+    app = FastAPI(title="agentmem", version="0.1.0",
+                  description="Long-term memory for chat assistants, OpenAI-compatible, multi-tenant.")
+    app.state.services = services
+    errors.install(app)
+    app.add_middleware(BodyLimit, limits=services.limits)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        services.metrics.requests.labels(request.method, route, str(response.status_code)).inc()
+        services.metrics.latency.labels(route).observe(time.perf_counter() - start)
+        return response
+
+    @app.get("/healthz", tags=["service"])
+    def healthz() -> dict:
+        """Liveness and readiness: the database answers; whether the model is loaded yet."""
+        with store.archive.engine.connect() as conn:
+            conn.execute(text("select 1"))
+        return {"status": "ok", "model_loaded": services.engine_loaded}
+
+    @app.get("/metrics", tags=["service"], response_class=Response)
+    def metrics() -> Response:
+        """Prometheus exposition format."""
+        return Response(services.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(chat_router)
+    app.include_router(memory_router)
+    if ui:
+        from .ui import mount_ui
+
+        mount_ui(app)
+    return app

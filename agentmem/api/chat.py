@@ -1,0 +1,175 @@
+"""Chat turns for the REST service.
+
+With a `user`, a request is one turn of that user's `AgentSession`: the server holds the
+history, so only the last user message is new (earlier ones are stored first when they
+start a new session). Without a `user` the request is stateless: its messages are the
+prompt, as with any OpenAI-compatible server. Either way generation goes through the
+engine's batching scheduler; the only lock is per session, so two turns of one
+conversation cannot interleave while different conversations run together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from ..config import Config
+from .errors import ApiError
+from .limits import Limits
+from .schemas import ChatCompletionRequest
+
+MAX_OPEN_SESSIONS = 256
+
+
+@dataclass
+class TurnResult:
+    """What a finished turn reports, whichever path served it."""
+
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    prefilled_tokens: int = 0
+    ttft_s: float = 0.0
+    finish_reason: str = "stop"
+    session_id: str | None = None
+    memories_used: list[str] = field(default_factory=list)
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Open:
+    session: object
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def default_session_id(tenant_id: str, user_id: str) -> str:
+    """A user's default conversation, stable across restarts and distinct across tenants."""
+    return "default-" + hashlib.sha256(f"{tenant_id}\x00{user_id}".encode()).hexdigest()[:24]
+
+
+def _from_stats(stats, text: str, session_id: str | None, memories: list[str]) -> TurnResult:
+    return TurnResult(text=text, prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+                      reused_tokens=stats.reused_tokens, recomputed_tokens=getattr(stats, "recomputed_tokens", 0),
+                      prefilled_tokens=getattr(stats, "prefilled_tokens", 0), ttft_s=stats.ttft_s,
+                      finish_reason=_finish(getattr(stats, "finish_reason", "stop")), session_id=session_id,
+                      memories_used=memories)
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+class ChatService:
+    def __init__(self, config: Config, store, engine_getter: Callable[[], object], limits: Limits):
+        self.config = config
+        self.store = store
+        self.engine = engine_getter
+        self.limits = limits
+        self._open: OrderedDict[tuple[str, str, str], _Open] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # --- validation ----------------------------------------------------------------------
+    def check(self, req: ChatCompletionRequest) -> int:
+        """Refuse what the limits forbid; returns the max_tokens to use."""
+        if len(req.messages) > self.limits.max_messages:
+            raise ApiError(400, f"at most {self.limits.max_messages} messages per request", code="too_many_messages",
+                           param="messages")
+        for i, m in enumerate(req.messages):
+            if len(m.text()) > self.limits.max_message_chars:
+                raise ApiError(400, f"message {i} is longer than {self.limits.max_message_chars} characters",
+                               code="message_too_long", param=f"messages.{i}.content")
+        wanted = req.max_completion_tokens or req.max_tokens or self.config.reply_tokens
+        if wanted > self.limits.max_tokens:
+            raise ApiError(400, f"max_tokens may be at most {self.limits.max_tokens}", code="max_tokens_too_large",
+                           param="max_tokens")
+        if req.user is not None and not req.messages[-1].text().strip():
+            raise ApiError(400, "the last message must have text", code="empty_message", param="messages")
+        if req.user is not None and req.messages[-1].role != "user":
+            raise ApiError(400, "with `user`, the last message must be the user's new turn", code="last_not_user",
+                           param="messages")
+        if req.user is None and req.session_id is not None:
+            raise ApiError(400, "session_id needs a user", code="session_without_user", param="session_id")
+        return wanted
+
+    # --- sessions ------------------------------------------------------------------------
+    def _session(self, tenant_id: str, req: ChatCompletionRequest) -> tuple[_Open, bool]:
+        from ..session import AgentSession
+
+        sid = req.session_id or default_session_id(tenant_id, req.user)
+        key = (tenant_id, req.user, sid)
+        with self._lock:
+            if key in self._open:
+                self._open.move_to_end(key)
+                return self._open[key], False
+        # resumes the caller's own session or starts it; another tenant's id is NotFound (404)
+        new = self.store.open_session(tenant_id, req.user, sid).message_count == 0
+        session = AgentSession(req.user, tenant_id=tenant_id, session_id=sid, config=self.config,
+                               engine=self.engine(), store=self.store)
+        with self._lock:
+            opened = self._open.setdefault(key, _Open(session))
+            while len(self._open) > MAX_OPEN_SESSIONS:
+                self._open.popitem(last=False)
+        return opened, new
+
+    def forget(self, tenant_id: str, user_id: str | None) -> None:
+        """Drop open sessions of a deleted user or tenant (the store hook calls this)."""
+        with self._lock:
+            for key in [k for k in self._open if k[0] == tenant_id and (user_id is None or k[1] == user_id)]:
+                del self._open[key]
+
+    # --- turns ---------------------------------------------------------------------------
+    def run(self, tenant_id: str, req: ChatCompletionRequest, max_tokens: int) -> tuple[Iterator[str], Callable[[], TurnResult]]:
+        """Start a turn: (iterator of text pieces, result() valid once the iterator is done)."""
+        if req.user is None:
+            return self._stateless(tenant_id, req, max_tokens)
+        return self._remembered(tenant_id, req, max_tokens)
+
+    def _stateless(self, tenant_id: str, req, max_tokens: int):
+        engine = self.engine()
+        segments = [replace(s, namespace=tenant_id) for s in
+                    engine.chat_segments([{"role": m.role, "content": m.text()} for m in req.messages])]
+        stream = engine.stream(segments, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                               stop=req.stops(), seed=req.seed)
+
+        def result() -> TurnResult:
+            g = stream.result
+            return _from_stats(g.stats, g.text, None, [])
+
+        return stream, result
+
+    def _remembered(self, tenant_id: str, req, max_tokens: int):
+        opened, new = self._session(tenant_id, req)
+        key_sid = req.session_id or default_session_id(tenant_id, req.user)
+        session = opened.session
+        text = req.messages[-1].text()
+        earlier = [{"role": m.role, "content": m.text()} for m in req.messages[:-1]
+                   if m.role in ("user", "assistant") and m.text().strip()]
+        done: dict[str, TurnResult] = {}
+
+        def pieces() -> Iterator[str]:
+            with opened.lock:
+                if new and earlier:
+                    session.add_messages(earlier)
+                out = session.chat(text, stream=True, max_tokens=max_tokens, temperature=req.temperature)
+                parts = []
+                for piece in out:
+                    parts.append(piece)
+                    yield piece
+                turn = session.last_turn
+                mems = [str(m) for m in getattr(turn, "memories_used", [])]
+                done["r"] = _from_stats(turn.stats, "".join(parts), key_sid, mems)
+
+        return pieces(), lambda: done["r"]
+
+
+def now() -> int:
+    return int(time.time())

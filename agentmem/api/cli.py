@@ -1,0 +1,63 @@
+"""`agentmem serve`: run the REST service with uvicorn.
+
+Embedded defaults: SQLite under the data dir and the default model; `--db-url` points at
+PostgreSQL for several replicas. One worker process per replica, because the engine (and
+its KV cache) lives in the process; concurrency comes from the engine's batching.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .limits import Limits
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentmem serve", description="run the multi-tenant REST service")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--db-url", help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db (default: SQLite)")
+    p.add_argument("--data-dir", type=Path, help="where SQLite, recall indexes and caches live")
+    p.add_argument("--model-path", type=Path, help="an HF Llama-family checkpoint directory (default: SmolLM2-135M)")
+    p.add_argument("--device", help="auto | cpu | cuda")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-batch", type=int, help="requests decoded together by the engine")
+    p.add_argument("--preload", action="store_true", help="load the model before accepting requests")
+    d = Limits()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-message-chars", type=int, default=d.max_message_chars)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="largest max_tokens a request may ask")
+    p.add_argument("--rate-limit", type=float, default=d.rate_per_minute,
+                   help="requests per minute per tenant (0: unlimited)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the inspector page at /ui")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from(args: argparse.Namespace):
+    from ..config import Config
+
+    overrides = {k: v for k, v in {"db_url": args.db_url, "data_dir": args.data_dir, "model_path": args.model_path,
+                                   "device": args.device, "dtype": args.dtype, "max_batch": args.max_batch}.items()
+                 if v is not None}
+    return Config(**overrides)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    import uvicorn
+
+    from .app import create_app
+
+    config = config_from(args)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_message_chars=args.max_message_chars,
+                    max_tokens=args.max_tokens, rate_per_minute=args.rate_limit)
+    engine = None
+    if args.preload:
+        from ..engine import Engine
+
+        engine = Engine.load(config)
+    app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,117 @@
+"""Service limits: each one refuses with a 4xx JSON error before any work is done.
+
+Body size is enforced on the raw ASGI stream (a missing or lying Content-Length cannot get
+past it); the rate limit is a token bucket per tenant, so one noisy tenant cannot starve
+the others of the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import error_body
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_message_chars: int = 32_000
+    max_messages: int = 256
+    max_tokens: int = 1024
+    rate_per_minute: float = 600.0  # per tenant; burst = one minute's worth
+    max_import_bytes: int = 16 << 20  # import documents may be larger than other bodies
+
+
+class TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: 413 when the request body exceeds the limit."""
+
+    def __init__(self, app, limits: Limits):
+        self.app = app
+        self.limits = limits
+
+    def _limit_for(self, scope) -> int:
+        if scope.get("method") == "POST" and scope.get("path", "").endswith("/import"):
+            return self.limits.max_import_bytes
+        return self.limits.max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self._limit_for(scope)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return await _reply(send, 400, "invalid Content-Length", "invalid_request_error", "bad_length")
+                if declared > limit:
+                    return await _too_large(send, limit)
+        seen = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise TooLarge
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except TooLarge:
+            if not started:
+                await _too_large(send, limit)
+
+
+async def _too_large(send, limit: int) -> None:
+    await _reply(send, 413, f"request body exceeds {limit} bytes", "request_too_large", "body_too_large")
+
+
+async def _reply(send, status: int, message: str, type_: str, code: str) -> None:
+    body = json.dumps(error_body(message, type_, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RateLimiter:
+    """Token bucket per key: `rate_per_minute` sustained, bursts up to one minute's worth."""
+
+    def __init__(self, rate_per_minute: float):
+        self.rate = rate_per_minute / 60.0
+        self.burst = max(1.0, rate_per_minute)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """Spend one token; 0.0 if allowed, else the seconds until one is available."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            tokens, last = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if tokens >= 1.0:
+                self._buckets[key] = (tokens - 1.0, now)
+                return 0.0
+            self._buckets[key] = (tokens, now)
+            return (1.0 - tokens) / self.rate
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._buckets.pop(key, None)

@@ -1,0 +1,208 @@
+"""Memory, session and trace endpoints, all under `/v1` and all scoped to the caller's tenant.
+
+Paths name a user (`/v1/users/{user_id}/...`); a user, session or memory id of another
+tenant answers 404 with the same body as a missing one, because every store call carries the
+caller's tenant. Reads of a user that does not exist are 404; writes create the user.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Body, Depends, Path, Query
+
+from ..tiers.records import NotFound
+from .deps import Caller, caller, services
+from .errors import ApiError
+from .schemas import ContextIn, CoreBlockIn, MemoryIn, MemoryPatch, MessagesIn, SearchIn
+
+router = APIRouter(prefix="/v1", tags=["memory"])
+
+UserId = Path(min_length=1, max_length=128, description="the user id, as given in chat `user`")
+MAX_LIST = 10_000
+
+
+def _listing(items, limit: int) -> dict:
+    return {"object": "list", "data": [i.to_dict() for i in items[-limit:]] if limit else []}
+
+
+def _user(svc, tenant_id: str, user_id: str) -> None:
+    if not svc.store.archive.user_exists(tenant_id, user_id):
+        raise NotFound(f"user {user_id!r} not found")
+
+
+# --- tenant and users ---------------------------------------------------------------------
+@router.get("/tenant")
+def get_tenant(who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """The caller's tenant."""
+    t = next((t for t in svc.store.list_tenants() if t.id == who.tenant_id), None)
+    if t is None:
+        raise NotFound("tenant not found")
+    return t.to_dict()
+
+
+@router.delete("/tenant")
+def delete_tenant(who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Delete the caller's tenant: every user's rows, vectors and cached KV, and its keys."""
+    svc.store.delete_tenant(who.tenant_id)
+    return {"id": who.tenant_id, "deleted": True}
+
+
+@router.get("/users")
+def list_users(who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    return _listing(svc.store.list_users(who.tenant_id), MAX_LIST)
+
+
+@router.delete("/users/{user_id}")
+def delete_user(user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Delete a user in every tier: archive rows, recall vectors, cached KV."""
+    svc.store.delete_user(who.tenant_id, user_id)
+    return {"id": user_id, "deleted": True}
+
+
+# --- memories -----------------------------------------------------------------------------
+@router.get("/users/{user_id}/memories")
+def list_memories(user_id: str = UserId, status: str | None = Query(None, description="active | superseded | all"),
+                  kind: str | None = Query(None, max_length=32), limit: int = Query(1000, ge=0, le=MAX_LIST),
+                  who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Facts and insights with their status and links (source message ids, superseded_by)."""
+    _user(svc, who.tenant_id, user_id)
+    return _listing(svc.store.list_memories(who.tenant_id, user_id, None if status == "all" else status, kind), limit)
+
+
+@router.post("/users/{user_id}/memories", status_code=201)
+def add_memory(body: MemoryIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    _check_len(svc, body.text, "text")
+    return svc.store.add_memory(who.tenant_id, user_id, body.text, body.importance, kind=body.kind,
+                                event_time=body.event_time).to_dict()
+
+
+@router.get("/users/{user_id}/memories/{memory_id}")
+def get_memory(memory_id: int, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    return svc.store.get_memory(who.tenant_id, user_id, memory_id).to_dict()
+
+
+@router.patch("/users/{user_id}/memories/{memory_id}")
+def update_memory(memory_id: int, body: MemoryPatch, user_id: str = UserId, who: Caller = Depends(caller),
+                  svc=Depends(services)) -> dict:
+    """Correct a memory's text (its compressed form is dropped) or importance."""
+    if body.text is not None:
+        _check_len(svc, body.text, "text")
+    fields = {"importance": body.importance} if body.importance is not None else {}
+    return svc.store.update_memory(who.tenant_id, user_id, memory_id, body.text, **fields).to_dict()
+
+
+@router.delete("/users/{user_id}/memories/{memory_id}")
+def delete_memory(memory_id: int, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    svc.store.delete_memory(who.tenant_id, user_id, memory_id)
+    return {"id": memory_id, "deleted": True}
+
+
+@router.post("/users/{user_id}/search")
+def search(body: SearchIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Recall: messages and memories ranked by similarity x recency x importance."""
+    _check_len(svc, body.query, "query")
+    _user(svc, who.tenant_id, user_id)
+    hits = svc.store.search(who.tenant_id, user_id, body.query, body.k, body.since, body.until)
+    return {"object": "list", "data": [h.to_dict() | {"ref": h.ref} for h in hits]}
+
+
+@router.post("/users/{user_id}/context")
+def context(body: ContextIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """The prompt a chat turn with `query` would be given now, segment by segment; nothing is stored."""
+    from ..session import AgentSession
+
+    _check_len(svc, body.query, "query")
+    _user(svc, who.tenant_id, user_id)
+    session = AgentSession(user_id, tenant_id=who.tenant_id, session_id=_latest_session(svc, who.tenant_id, user_id),
+                           config=svc.config, engine=svc.engine(), store=svc.store)
+    return session.context(body.query).to_dict()
+
+
+def _latest_session(svc, tenant_id: str, user_id: str) -> str | None:
+    from .chat import default_session_id
+
+    sessions = svc.store.list_sessions(tenant_id, user_id)
+    default = default_session_id(tenant_id, user_id)
+    if any(s.id == default for s in sessions):
+        return default
+    return sessions[-1].id if sessions else None
+
+
+# --- core memory ----------------------------------------------------------------------------
+@router.get("/users/{user_id}/core")
+def core_blocks(user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    _user(svc, who.tenant_id, user_id)
+    return _listing(svc.store.core_blocks(who.tenant_id, user_id), MAX_LIST)
+
+
+@router.put("/users/{user_id}/core/{label}")
+def set_core_block(body: CoreBlockIn, user_id: str = UserId, label: str = Path(min_length=1, max_length=64),
+                   who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    _check_len(svc, body.value, "value")
+    return svc.store.set_core_block(who.tenant_id, user_id, label, body.value, body.limit).to_dict()
+
+
+# --- sessions, messages, traces --------------------------------------------------------------
+@router.get("/users/{user_id}/sessions")
+def list_sessions(user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    _user(svc, who.tenant_id, user_id)
+    return _listing(svc.store.list_sessions(who.tenant_id, user_id), MAX_LIST)
+
+
+@router.get("/users/{user_id}/sessions/{session_id}/messages")
+def session_messages(session_id: str = Path(min_length=1, max_length=128), user_id: str = UserId,
+                     limit: int = Query(1000, ge=0, le=MAX_LIST), who: Caller = Depends(caller),
+                     svc=Depends(services)) -> dict:
+    return _listing(svc.store.session_messages(who.tenant_id, user_id, session_id), limit)
+
+
+@router.post("/users/{user_id}/messages", status_code=201)
+def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Store history without generating; committed (durable) before this answers."""
+    for i, m in enumerate(body.messages):
+        _check_len(svc, m.content, f"messages.{i}.content")
+    if len(body.messages) > svc.limits.max_messages:
+        raise ApiError(400, f"at most {svc.limits.max_messages} messages per request", code="too_many_messages")
+    sid = body.session_id or _latest_session(svc, who.tenant_id, user_id)
+    info = svc.store.open_session(who.tenant_id, user_id, sid)
+    stored = svc.store.add_messages(who.tenant_id, user_id, info.id, [m.model_dump(exclude_none=True) for m in body.messages])
+    return {"session_id": info.id, "object": "list", "data": [m.to_dict() for m in stored]}
+
+
+@router.get("/users/{user_id}/turns")
+def turns(user_id: str = UserId, session_id: str | None = Query(None, max_length=128),
+          limit: int = Query(50, ge=1, le=MAX_LIST), who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Per-turn traces: prompt segments by tier with tokens and KV fate (reused / blended /
+    prefilled), memories used, TTFT and token counts."""
+    _user(svc, who.tenant_id, user_id)
+    return _listing(svc.store.turns(who.tenant_id, user_id, session_id, limit), limit)
+
+
+@router.get("/stats/cache")
+def cache_stats(who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """The tenant's recent turns as a time series of cache hit ratio and TTFT (since start)."""
+    points = svc.metrics.series(who.tenant_id)
+    prompt = sum(p["prompt_tokens"] for p in points)
+    reused = sum(p["reused_tokens"] for p in points)
+    return {"object": "list", "data": points, "cache_hit_ratio": reused / prompt if prompt else 0.0}
+
+
+# --- export / import ----------------------------------------------------------------------
+@router.get("/users/{user_id}/export")
+def export_user(user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """The user's whole memory as one JSON document (sessions, messages, memories, core blocks)."""
+    return svc.store.export_user(who.tenant_id, user_id)
+
+
+@router.post("/users/{user_id}/import", status_code=201)
+def import_user(doc: dict = Body(..., description="a document from GET .../export"), user_id: str = UserId,
+                who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    try:
+        return svc.store.import_user(who.tenant_id, user_id, doc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ApiError(400, f"malformed export document: {exc}", code="invalid_export") from exc
+
+
+def _check_len(svc, value: str, param: str) -> None:
+    if len(value) > svc.limits.max_message_chars:
+        raise ApiError(400, f"{param} is longer than {svc.limits.max_message_chars} characters",
+                       code="message_too_long", param=param)
