@@ -9,6 +9,7 @@ IEEE dots (never TF32), so fp32 results match the torch reference to rounding.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -30,7 +31,9 @@ def _dot_upcast(dtype: torch.dtype) -> bool:
     """The interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9), so
     under it half-precision operands are widened first. Products of half-precision values
     are exact in fp32, so this only changes the summation order against a GPU's MMA."""
-    return bool(triton.knobs.runtime.interpret) and dtype != torch.float32
+    knobs = getattr(triton, "knobs", None)
+    interpreted = knobs.runtime.interpret if knobs else os.environ.get("TRITON_INTERPRET") == "1"
+    return bool(interpreted) and dtype != torch.float32
 
 
 @triton.jit
@@ -60,8 +63,9 @@ def _rope_kernel(
 
     pos = tl.load(pos_ptr + n).to(tl.float64)
     angle = pos * tl.load(inv_freq_ptr + i, mask=imask, other=0.0).to(tl.float64)
-    # reduce to [0, 2pi) in float64 so the fp32 cos/sin see a small argument at any position
-    turns = (angle * (1.0 / (2.0 * math.pi))).to(tl.int64).to(tl.float64)
+    # reduce to [-pi, pi] in float64 so the fp32 cos/sin see a small argument at any position
+    # (re-rotation deltas may be negative)
+    turns = tl.floor(angle * (1.0 / (2.0 * math.pi)) + 0.5)
     angle = (angle - turns * (2.0 * math.pi)).to(tl.float32)
     cos = tl.cos(angle)[None, :]
     sin = tl.sin(angle)[None, :]
@@ -176,18 +180,17 @@ def paged_decode_attention(
     v_pool: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
-    max_seq_len: int | None = None,
+    scale: float | None,
     split_len: int = 256,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """`max_seq_len` (an upper bound of seq_lens) spares a device sync; `split_len` and
+    """The launch is planned from the table's capacity, an upper bound of every seq_len, so
+    it needs no device sync; splits past a sequence's end exit at once. `split_len` and
     `block_n` are exposed so tests can force the split path on tiny inputs."""
     batch, heads, hd = q.shape
     kv_heads = k_pool.shape[2]
     group = heads // kv_heads
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if batch else 0
+    max_seq_len = block_tables.shape[1] * k_pool.shape[1]
     splits = _num_splits(batch, kv_heads, max_seq_len, split_len)
     if splits == 1:
         split_len = max(max_seq_len, 1)
