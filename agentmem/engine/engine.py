@@ -86,11 +86,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bf16 matmuls are ~3x faster than fp32 on the target CPUs and native on GPUs.
-        return torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        # bf16 is native on GPUs and ~3x faster than fp32 on CPUs with AVX512-BF16/AMX; on
+        # an AVX2-only CPU torch emulates it and bf16 matmuls run ~10x slower than fp32.
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}, got {name!r}")
+    return dtypes[name]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -226,13 +239,16 @@ class Engine:
                 self._loop = EngineLoop(self)
             return self._loop
 
-    def stream(self, prompt, params: SamplingParams | None = None, **kw) -> GenerationStream:
+    def stream(
+        self, prompt, params: SamplingParams | None = None, *, loop: EngineLoop | None = None, **kw
+    ) -> GenerationStream:
         """Start generating; iterate the result for text pieces as tokens are produced.
-        Thread-safe: concurrent streams are decoded together in one batch."""
+        Thread-safe: concurrent streams are decoded together in one batch. `loop` runs the
+        request on another EngineLoop (e.g. one with a different pool size) than the default."""
         params = (params or SamplingParams(**kw)).validate()
         parts = self.tokenize_prompt(prompt)
         ids = [t for part in parts for t in part[0]]
-        loop = self.loop
+        loop = loop or self.loop
         max_new = min(params.max_tokens, self.context_window - len(ids))
         if loop.blocks.blocks_for(len(ids) + max_new) > len(loop.blocks.blocks):
             raise PromptTooLong(len(ids) + max_new, loop.blocks.block_size * len(loop.blocks.blocks))
@@ -248,9 +264,11 @@ class Engine:
         loop.submit(seq)
         return GenerationStream(seq)
 
-    def generate(self, prompt, params: SamplingParams | None = None, **kw) -> Generation:
+    def generate(
+        self, prompt, params: SamplingParams | None = None, *, loop: EngineLoop | None = None, **kw
+    ) -> Generation:
         """Generate to the end. Thread-safe, like `stream`."""
-        s = self.stream(prompt, params, **kw)
+        s = self.stream(prompt, params, loop=loop, **kw)
         for _ in s:
             pass
         return s.result

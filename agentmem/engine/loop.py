@@ -27,13 +27,24 @@ if TYPE_CHECKING:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        block_size: int | None = None,
+        pool_tokens: int | None = None,
+        max_batch: int | None = None,
+        prefill_chunk: int | None = None,
+    ):
+        """Sizes default to the engine's Config (kv_block_size, kv_pool_tokens, max_batch,
+        prefill_chunk)."""
         cfg = engine.config
         self.engine = engine
-        num_blocks = max(1, cfg.kv_pool_tokens // cfg.kv_block_size)
-        self.blocks = BlockManager(num_blocks, cfg.kv_block_size)
-        self.pool = KVPool(engine.model.args, num_blocks, cfg.kv_block_size, engine.device, engine.dtype)
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch, cfg.prefill_chunk)
+        block_size = block_size or cfg.kv_block_size
+        num_blocks = max(1, (pool_tokens or cfg.kv_pool_tokens) // block_size)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.pool = KVPool(engine.model.args, num_blocks, block_size, engine.device, engine.dtype)
+        self.scheduler = Scheduler(self.blocks, max_batch or cfg.max_batch, prefill_chunk or cfg.prefill_chunk)
         self.runner = ModelRunner(engine.model, self.pool, self.blocks, engine.device)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._start_lock = threading.Lock()

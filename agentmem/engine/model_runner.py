@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from .block_manager import BlockManager
+from .kernels import paged_decode_attention
 from .kv_pool import KVPool
 from .model import Transformer
-from .paged_attention import paged_decode_attention
 from .scheduler import Scheduled
 from .sequence import Sequence
 
