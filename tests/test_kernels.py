@@ -1,16 +1,20 @@
 """Triton kernels against their torch references, on the CPU through the Triton interpreter.
 
-TRITON_INTERPRET is read when a JIT function is created, and other tests may already have
-imported the kernel module compiled for a GPU; so the kernels run here come from a private
-copy of `triton_ops` loaded while the variable is set (and it stays set while they run).
-Sizes are tiny (the interpreter is slow) but cross every tile boundary that matters.
+TRITON_INTERPRET is read when triton creates its JIT functions, its own standard library
+(tl.max, tl.sum, ...) included, so it must be set before triton is first imported. Other
+tests in the same pytest process may import triton first; so the kernels run in a spawned
+worker process that sets the variable before importing anything from triton, and the tests
+send it CPU tensors. Sizes are tiny (the interpreter is slow) but cross every tile boundary
+that matters.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -21,21 +25,34 @@ from agentmem.engine.model import Rotary
 HD = 64
 
 
-@functools.cache
-def _interpreted_ops():
-    spec = importlib.util.spec_from_file_location(
-        "agentmem_triton_ops_interpreted", kernels.__file__.replace("__init__.py", "triton_ops.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _interpreter_worker_init() -> None:
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET could be set")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
-@pytest.fixture
-def tk(monkeypatch):
+def _run_kernel(name: str, *args, **kwargs) -> torch.Tensor:
+    from agentmem.engine.kernels import triton_ops
+
+    return getattr(triton_ops, name)(*args, **kwargs)
+
+
+class _InterpretedKernels:
+    """`tk.rope(...)` runs `triton_ops.rope(...)` in the interpreter worker."""
+
+    def __init__(self, pool: ProcessPoolExecutor):
+        self._pool = pool
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self._pool.submit(_run_kernel, name, *args, **kwargs).result()
+
+
+@pytest.fixture(scope="module")
+def tk():
     """The Triton kernels, running on CPU tensors in the interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return _interpreted_ops()
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_interpreter_worker_init) as pool:
+        yield _InterpretedKernels(pool)
 
 
 def _gen(seed: int) -> torch.Generator:
