@@ -165,7 +165,7 @@ class ChatService:
                     parts.append(piece)
                     yield piece
                 turn = session.last_turn
-                mems = [str(m) for m in getattr(turn, "memories_used", [])]
+                mems = [m["ref"] if isinstance(m, dict) else str(m) for m in turn.memories_used]
                 done["r"] = _from_stats(turn.stats, "".join(parts), key_sid, mems)
 
         return pieces(), lambda: done["r"]

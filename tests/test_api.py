@@ -1,0 +1,214 @@
+"""The REST service through a real server on a loopback port, driven by the official openai
+client and by httpx: chat (plain and streamed), memory endpoints, tenant isolation, limits,
+metrics, and a short bounded load run."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from agentmem.api import Limits, create_app, create_tenant_with_key
+from agentmem.api.local import LocalServer
+from agentmem.config import Config
+from agentmem.tiers.store import MemoryStore
+
+
+@pytest.fixture(scope="module")
+def api(engine, embedder, tmp_path_factory):
+    cfg = engine.config.model_copy(update={"data_dir": tmp_path_factory.mktemp("api"), "db_url": None})
+    store = MemoryStore(cfg, embedder=embedder)
+    keys = {name: create_tenant_with_key(store, name) for name in ("acme", "globex")}
+    limits = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=64, rate_per_minute=10_000)
+    with LocalServer(create_app(cfg, engine=engine, store=store, limits=limits)) as server:
+        yield server.url, keys, store
+    store.close()
+
+
+def client(api, tenant="acme") -> httpx.Client:
+    url, keys, _ = api
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {keys[tenant][1]}"}, timeout=120)
+
+
+def _shape(response: httpx.Response, ident) -> tuple[int, dict]:
+    """The status and error body with the requested id blanked out: what must not differ
+    between another tenant's id and a missing one."""
+    err = dict(response.json()["error"])
+    err["message"] = err["message"].replace(str(ident), "ID")
+    return response.status_code, err
+
+
+def test_openai_client_plain_and_streamed_agree(api):
+    url, keys, _ = api
+    oa = OpenAI(base_url=url + "/v1", api_key=keys["acme"][1])
+    assert oa.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    plain = oa.chat.completions.create(model="agentmem", messages=msgs, max_tokens=8)
+    text = plain.choices[0].message.content
+    assert text and plain.usage.completion_tokens <= 8
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    assert plain.usage.prompt_tokens > 5
+    chunks = list(oa.chat.completions.create(model="agentmem", messages=msgs, max_tokens=8, stream=True,
+                                             stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text  # greedy decoding: the stream carries exactly the same reply
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+
+
+def test_memory_written_by_rest_is_recalled_in_chat_and_invisible_to_other_tenant(api):
+    a, b = client(api, "acme"), client(api, "globex")
+    fact = "The user's cat is named Marmalade."
+    mem = a.post("/v1/users/alice/memories", json={"text": fact, "importance": 0.9})
+    assert mem.status_code == 201
+    mid = mem.json()["id"]
+    r = a.post("/v1/chat/completions", json={"user": "alice", "max_tokens": 12,
+                                             "messages": [{"role": "user", "content": "What is my cat's name?"}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert f"memory:{mid}" in body["agentmem"]["memories_used"]
+    trace = a.get("/v1/users/alice/turns").json()["data"][-1]["trace"]
+    assert any(s["tier"] == "recall" and "Marmalade" in s["text"] for s in trace["segments"])
+    assert {"tokens", "kv"} <= set(trace["segments"][0])
+
+    # the other tenant: the same user id is a different, empty user; the id answers 404
+    # with exactly the body a missing id gets inside acme
+    missing = a.get(f"/v1/users/alice/memories/{mid + 10_000}")
+    foreign = b.get(f"/v1/users/alice/memories/{mid}")
+    assert foreign.status_code == missing.status_code == 404
+    assert _shape(foreign, mid) == _shape(missing, mid + 10_000)
+    assert foreign.json()["error"]["type"] == "not_found_error"
+    assert b.get("/v1/users/alice/memories").status_code == 404
+    assert _shape(b.get("/v1/users/nobody/memories"), "nobody") == _shape(b.get("/v1/users/alice/memories"), "alice")
+    sid = body["session_id"]
+    assert b.get(f"/v1/users/alice/sessions/{sid}/messages").status_code == 404
+    r = b.post("/v1/chat/completions", json={"user": "alice", "max_tokens": 12, "session_id": sid,
+                                             "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    r = b.post("/v1/chat/completions", json={"user": "alice", "max_tokens": 8,
+                                             "messages": [{"role": "user", "content": "What is my cat's name?"}]})
+    assert r.status_code == 200 and r.json()["agentmem"]["memories_used"] == []
+    b_trace = b.get("/v1/users/alice/turns").json()["data"][-1]["trace"]
+    assert not any("Marmalade" in s["text"] for s in b_trace["segments"])
+    assert [u["id"] for u in b.get("/v1/users").json()["data"]] == ["alice"]
+
+
+def test_memory_endpoints_roundtrip(api):
+    a = client(api)
+    a.post("/v1/users/carol/messages", json={"messages": [{"role": "user", "content": "I moved to Lisbon in May."},
+                                                          {"role": "assistant", "content": "Noted!"}]})
+    m = a.post("/v1/users/carol/memories", json={"text": "Carol lives in Lisbon."}).json()
+    assert a.patch(f"/v1/users/carol/memories/{m['id']}", json={"text": "Carol lives in Porto."}).json()["text"] \
+        == "Carol lives in Porto."
+    hits = a.post("/v1/users/carol/search", json={"query": "Where does Carol live?", "k": 3}).json()["data"]
+    assert hits[0]["text"] == "Carol lives in Porto."
+    assert a.put("/v1/users/carol/core/human", json={"value": "Name: Carol"}).status_code == 200
+    assert {"label": "human", "value": "Name: Carol"}.items() <= \
+        next(b for b in a.get("/v1/users/carol/core").json()["data"] if b["label"] == "human").items()
+    sessions = a.get("/v1/users/carol/sessions").json()["data"]
+    msgs = a.get(f"/v1/users/carol/sessions/{sessions[0]['id']}/messages").json()["data"]
+    assert [x["text"] for x in msgs] == ["I moved to Lisbon in May.", "Noted!"]
+    ctx = a.post("/v1/users/carol/context", json={"query": "Where do I live?"}).json()
+    assert any("Porto" in s["text"] for s in ctx["segments"]) and ctx["total_tokens"] > 0
+
+    doc = a.get("/v1/users/carol/export").json()
+    assert a.post("/v1/users/carol2/import", json=doc).json() == {"messages": 2, "memories": 1, "core_blocks": 1}
+    copy = a.get("/v1/users/carol2/export").json()
+    assert [x["text"] for x in copy["memories"]] == [x["text"] for x in doc["memories"]]
+    assert a.post("/v1/users/carol2/import", json={"version": 99}).status_code == 400
+
+    assert a.delete(f"/v1/users/carol/memories/{m['id']}").status_code == 200
+    assert a.get(f"/v1/users/carol/memories/{m['id']}").status_code == 404
+    assert a.delete("/v1/users/carol").status_code == 200
+    assert a.get("/v1/users/carol/sessions").status_code == 404
+    assert a.post("/v1/users/carol2/search", json={"query": "Porto"}).json()["data"]
+
+
+def test_auth_limits_and_errors_are_clear_4xx(api):
+    url, _, _ = api
+    anon = httpx.Client(base_url=url, timeout=30)
+    assert anon.get("/v1/models").status_code == 401
+    bad = anon.get("/v1/models", headers={"Authorization": "Bearer am-nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    a = client(api)
+    huge = a.post("/v1/users/dan/memories", json={"text": "x" * 70_000})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    long = a.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "y " * 2500}]})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "message_too_long"
+    many = a.post("/v1/chat/completions", json={"max_tokens": 65, "messages": [{"role": "user", "content": "hi"}]})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "max_tokens"
+    invalid = a.post("/v1/chat/completions", json={"messages": []})
+    assert invalid.status_code == 422 and invalid.json()["error"]["type"] == "invalid_request_error"
+    nul = a.post("/v1/users/dan/memories", json={"text": "a\x00b"})
+    assert nul.status_code == 400
+
+
+def test_rate_limit_per_tenant(engine, embedder, tmp_path):
+    cfg = Config(data_dir=tmp_path, dtype="float32", device="cpu")
+    store = MemoryStore(cfg, embedder=embedder)
+    (_, k1), (_, k2) = create_tenant_with_key(store, "one"), create_tenant_with_key(store, "two")
+    with LocalServer(create_app(cfg, engine=engine, store=store, limits=Limits(rate_per_minute=3), ui=False)) as s:
+        one = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {k1}"})
+        codes = [one.get("/v1/users").status_code for _ in range(5)]
+        assert codes[:3] == [200] * 3 and codes[3:] == [429, 429]
+        r = one.get("/v1/users")
+        assert r.json()["error"]["type"] == "rate_limit_error" and int(r.headers["Retry-After"]) >= 1
+        two = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {k2}"})
+        assert two.get("/v1/users").status_code == 200  # another tenant's budget is its own
+    store.close()
+
+
+def test_metrics_health_docs_and_tenant_delete(api, embedder, engine):
+    url, _, store = api
+    anon = httpx.Client(base_url=url)
+    assert anon.get("/healthz").json()["status"] == "ok"
+    text = anon.get("/metrics").text
+    for name in ("agentmem_requests_total", "agentmem_ttft_seconds_count", "agentmem_prompt_tokens_total",
+                 "agentmem_cache_hit_ratio", "agentmem_queue_length"):
+        assert name in text
+    assert "/v1/chat/completions" in anon.get("/openapi.json").json()["paths"]
+    assert anon.get("/docs").status_code == 200
+
+    tid, key = create_tenant_with_key(store, "doomed")
+    d = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"})
+    d.post("/v1/users/eve/memories", json={"text": "Eve likes tea."})
+    assert d.get("/v1/stats/cache").status_code == 200
+    assert d.delete("/v1/tenant").json()["deleted"] is True
+    assert tid not in [t.id for t in store.list_tenants()]
+    assert store.list_memories(tid, "eve") == []
+    assert d.get("/v1/users").status_code == 401
+
+
+def test_bounded_concurrent_load_has_no_errors(api):
+    """4 clients chat for a fixed few seconds; every request must succeed."""
+    url, keys, _ = api
+    latencies: list[float] = []
+    errors: list[str] = []
+    stop = time.monotonic() + 6.0
+
+    def worker(i: int) -> None:
+        c = client(api)
+        n = 0
+        while time.monotonic() < stop and n < 20:
+            t = time.perf_counter()
+            r = c.post("/v1/chat/completions", json={"max_tokens": 6, "user": f"load{i}",
+                                                     "messages": [{"role": "user", "content": f"Count to {n}."}]})
+            (latencies if r.status_code == 200 else errors).append(time.perf_counter() - t)
+            if r.status_code != 200:
+                errors.append(r.text)
+            n += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert len(latencies) >= 4
+    lat = sorted(latencies)
+    p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+    print(f"\nload: {len(lat)} chats from 4 clients, p50 {p50:.2f} s, p99 {p99:.2f} s")
