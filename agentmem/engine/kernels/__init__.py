@@ -56,6 +56,11 @@ def _check_index(name: str, t: torch.Tensor, length: int) -> None:
     _require(t.dim() == 1 and t.shape[0] == length, f"{name} must have shape ({length},), got {tuple(t.shape)}")
 
 
+def _check_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
 def _check_gqa(heads: int, kv_heads: int) -> None:
     _require(kv_heads > 0 and heads % kv_heads == 0, f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
 
@@ -64,7 +69,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     """Rotate x [N, heads, hd] to `positions` [N] in the HF rotate-half convention.
 
     Positions are arbitrary, so this also moves cached pre-RoPE keys to new positions.
-    `inv_freq` [hd/2] may be fp32 or float64; the angle is always formed in float64.
+    `inv_freq` [hd/2] may be fp32 or float64 (pass `Rotary.inv_freq`, float64, to match the
+    engine's tables to rounding); the angle is always formed in float64.
     """
     _check_float("x", x, 3)
     _require(x.shape[-1] % 2 == 0, f"head_dim must be even, got {x.shape[-1]}")
@@ -73,10 +79,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
         inv_freq.dim() == 1 and inv_freq.shape[0] == x.shape[-1] // 2,
         f"inv_freq must have shape ({x.shape[-1] // 2},), got {tuple(inv_freq.shape)}",
     )
-    if _on_triton(x, positions, inv_freq):
+    _check_device(x, positions)
+    if _on_triton(x, positions):
         from . import triton_ops
 
-        return triton_ops.rope(x, positions, inv_freq)
+        # keep inv_freq on the device to spare this copy
+        return triton_ops.rope(x, positions, inv_freq.to(x.device))
     return rope_ref(x, positions, inv_freq)
 
 
@@ -106,6 +114,7 @@ def paged_decode_attention(
         f"block_tables must be an integer [B={q.shape[0]}, max_blocks] tensor, got {tuple(block_tables.shape)}",
     )
     _check_index("seq_lens", seq_lens, q.shape[0])
+    _check_device(q, k_pool, v_pool, block_tables, seq_lens)
     if _on_triton(q, k_pool, v_pool, block_tables, seq_lens):
         from . import triton_ops
 
@@ -135,6 +144,7 @@ def selected_attention(
     _check_gqa(q.shape[1], k.shape[1])
     _check_index("q_pos", q_pos, q.shape[0])
     _check_index("k_pos", k_pos, k.shape[0])
+    _check_device(q, k, v, q_pos, k_pos)
     if _on_triton(q, k, v, q_pos, k_pos):
         from . import triton_ops
 
