@@ -260,6 +260,8 @@ def test_dispatchers_reject_bad_input():
         kernels.selected_attention(q, k, v, torch.arange(4.0), torch.arange(10))
     with pytest.raises(ValueError, match=r"k_pos must have shape \(10,\)"):
         kernels.selected_attention(q, k, v, torch.arange(4), torch.arange(9))
+    with pytest.raises(ValueError, match="one device"):
+        kernels.selected_attention(q, k.to("meta"), v, torch.arange(4), torch.arange(10))
     with pytest.raises(ValueError, match="inv_freq"):
         kernels.rope(q, torch.arange(4), torch.ones(HD))
     q, k_pool, v_pool, tables, lens = _paged_case([3], 4, 2, 4, torch.float32, seed=18)
