@@ -20,7 +20,10 @@ function go(changes) {
   for (const [k, v] of Object.entries(changes)) {
     if (v === null || v === undefined) p.delete(k); else p.set(k, v);
   }
-  location.hash = p.toString();
+  const hash = p.toString();
+  if (hash === location.hash.slice(1)) return;
+  document.body.dataset.busy = "1";  // set before the hashchange so a caller can wait for the view
+  location.hash = hash;
 }
 
 function showError(err) {
@@ -38,9 +41,19 @@ function clearError() { $("#error").hidden = true; $("#error").textContent = "";
 
 let rendering = 0;
 
+// Views render asynchronously; body[data-busy] is set until the latest one is on screen.
 async function render() {
-  const r = route();
   const ticket = ++rendering;
+  document.body.dataset.busy = "1";
+  try {
+    await draw(ticket);
+  } finally {
+    if (ticket === rendering) delete document.body.dataset.busy;
+  }
+}
+
+async function draw(ticket) {
+  const r = route();
   if (!getKey()) {
     $("#users").replaceChildren();
     $("#tabs").hidden = true;
@@ -53,7 +66,7 @@ async function render() {
     clearError();
     $("#users").replaceChildren(...users.map((u) => h("li", {},
       h("a", { class: u.id === r.user ? "active" : "", "data-user": u.id,
-        onclick: () => go({ user: u.id, session: null, turn: null, focus: null }) }, u.id))));
+        onclick: () => go({ user: u.id, tab: r.tab, session: null, turn: null, focus: null }) }, u.id))));
     if (!users.length) {
       $("#view").replaceChildren(h("p", { class: "hint" }, "This tenant has no users yet."));
       return;
