@@ -1,5 +1,6 @@
 """The model engine: weights, tokenizer and chat format, forward pass, KV, generation."""
 
+from .block_manager import BlockManager, NoFreeBlocks
 from .engine import (
     DenseKV,
     Engine,
@@ -12,11 +13,17 @@ from .engine import (
     attend,
 )
 from .errors import EmptyPrompt, EngineError, InvalidSampling, PromptTooLong
+from .kv_pool import KVPool
+from .loop import EngineLoop
 from .model import ModelArgs, Transformer, load_transformer
 from .sampler import SamplingParams
 from .weights import WeightsMissing, resolve_model_dir
 
 __all__ = [
+    "BlockManager",
+    "EngineLoop",
+    "KVPool",
+    "NoFreeBlocks",
     "DenseKV",
     "EmptyPrompt",
     "Engine",

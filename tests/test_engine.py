@@ -1,0 +1,209 @@
+"""The engine against the HF oracle, and generation through the paged, batched loop."""
+
+import threading
+
+import pytest
+import torch
+
+from agentmem.engine import (
+    DenseKV,
+    EmptyPrompt,
+    EngineLoop,
+    InvalidSampling,
+    PrefillResult,
+    PromptTooLong,
+    Segment,
+)
+
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
+
+
+def chat(engine, text):
+    return engine.chat_segments([{"role": "user", "content": text}])
+
+
+def test_logits_match_hf(engine, hf_model):
+    text = "The history of the lighthouse begins with fire on the shore. " * 30
+    ids = engine.encode(text)[:300]
+    ours = engine.logits(ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+def test_greedy_64_tokens_match_hf(engine, hf_model):
+    prompt = engine.chat_segments(STORY)
+    ids = [t for s in prompt for t in engine.encode(s.text)]
+    g = engine.generate(prompt, max_tokens=64)
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids) :].tolist()
+    ref = [t for t in ref if t not in engine.eos_ids]
+    assert len(g.token_ids) == 64
+    assert g.token_ids == ref
+    assert g.stats.prompt_tokens == len(ids) and g.stats.completion_tokens == 64
+    assert g.stats.finish_reason == "length" and 0 < g.stats.ttft_s <= g.stats.total_s
+
+
+def test_chunked_prefill_over_the_pool_equals_one_shot(engine):
+    prompt = chat(engine, "Summarise this: " + "the river runs past the mill and the mill grinds the wheat. " * 12)
+    small = EngineLoop(engine, block_size=8, pool_tokens=1024, prefill_chunk=37)
+    a = engine.generate(prompt, max_tokens=12)
+    b = engine.generate(prompt, max_tokens=12, loop=small)
+    assert b.stats.prompt_tokens > 3 * 37
+    assert a.token_ids == b.token_ids
+
+
+def test_batched_decode_equals_one_by_one(engine):
+    prompts = [chat(engine, f"Name {n} animals that live in the sea.") for n in (2, 3, 4, 5)]
+    alone = [engine.generate(p, max_tokens=16).token_ids for p in prompts]
+    loop = EngineLoop(engine, pool_tokens=4096)
+    streams = [engine.stream(p, max_tokens=16, loop=loop) for p in prompts]  # all queued before any finishes
+    together = []
+    for s in streams:
+        list(s)
+        together.append(s.result.token_ids)
+    assert together == alone
+    assert loop.steps < 4 * 16  # decode steps were shared
+
+
+def test_concurrent_generate_from_threads_matches_sequential(engine):
+    prompts = [chat(engine, f"Give me a tip about {topic}.") for topic in ("sleep", "tea", "rain", "maps", "bikes")]
+    sequential = [engine.generate(p, max_tokens=12).token_ids for p in prompts]
+    results = [None] * len(prompts)
+
+    def work(i):
+        results[i] = engine.generate(prompts[i], max_tokens=12).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == sequential
+
+
+def test_preemption_when_the_pool_runs_out_keeps_outputs(engine):
+    prompts = [chat(engine, f"Count from {n} upwards in words.") for n in (1, 20, 300)]
+    alone = [engine.generate(p, max_tokens=20).token_ids for p in prompts]
+    tiny = EngineLoop(engine, block_size=4, pool_tokens=4 * 28)  # too small for all three at once
+    streams = [engine.stream(p, max_tokens=20, loop=tiny) for p in prompts]
+    for s in streams:
+        list(s)
+    assert [s.result.token_ids for s in streams] == alone
+    assert tiny.blocks.num_free == 28
+
+
+def test_stream_pieces_join_to_the_text(engine):
+    s = engine.stream(engine.chat_segments(STORY), max_tokens=24)
+    pieces = list(s)
+    assert len(pieces) > 3
+    assert "".join(pieces) == s.result.text
+    assert s.result.text == engine.decode(s.result.token_ids)
+
+
+def test_stop_strings_cut_the_text(engine):
+    prompt = engine.chat_segments(STORY)
+    full = engine.generate(prompt, max_tokens=24)
+    words = full.text.split()
+    stop = words[3]
+    s = engine.stream(prompt, max_tokens=24, stop=[stop])
+    pieces = list(s)
+    g = s.result
+    assert g.stats.finish_reason == "stop"
+    assert stop not in g.text and full.text.startswith(g.text)
+    assert "".join(pieces) == g.text
+    assert len(g.token_ids) < len(full.token_ids)
+
+
+def test_prefix_blocks_are_reused_within_a_namespace_only(engine):
+    system = Segment(engine.format_message("system", "You are a careful assistant. " * 12), tier="system")
+    loop = EngineLoop(engine, pool_tokens=2048)
+    first = engine.generate([system, *chat(engine, "What is a lighthouse?")], max_tokens=8, loop=loop)
+    second = engine.generate([system, *chat(engine, "What is a harbour?")], max_tokens=8, loop=loop)
+    fresh = engine.generate([system, *chat(engine, "What is a harbour?")], max_tokens=8, loop=EngineLoop(engine, pool_tokens=2048))
+    assert first.stats.reused_tokens == 0
+    assert second.stats.reused_tokens >= 16 and second.stats.reused_tokens % 16 == 0
+    assert second.stats.prefilled_tokens == second.stats.prompt_tokens - second.stats.reused_tokens
+    assert second.token_ids == fresh.token_ids
+    other = Segment(system.text, tier="system", namespace="tenant-b")
+    third = engine.generate([other, *chat(engine, "What is a harbour?")], max_tokens=8, loop=loop)
+    assert third.stats.reused_tokens == 0
+
+
+def test_prefill_planner_kv_is_decoded_from_the_pool(engine):
+    prompt = chat(engine, "Describe a quiet morning.")
+    plain = engine.generate(prompt, max_tokens=10)
+    calls = []
+
+    def planner(eng, parts):
+        ids = [t for p in parts for t in p[0]]
+        kv = DenseKV(eng.model, len(ids), eng.device, eng.dtype)
+        logits = eng.prefill_dense(ids, kv)
+        calls.append(len(ids))
+        return PrefillResult(kv.k, kv.v, logits, reused=5, recomputed=2, prefilled=len(ids) - 5, segments=[{"how": "test"}])
+
+    engine.set_prefill_planner(planner)
+    try:
+        planned = engine.generate(prompt, max_tokens=10)
+        plain_text = engine.generate("Describe a quiet morning.", max_tokens=4)  # no cacheable segment: no planner
+    finally:
+        engine.set_prefill_planner(None)
+    assert calls == [plain.stats.prompt_tokens]
+    assert planned.token_ids == plain.token_ids
+    assert planned.stats.reused_tokens == 5 and planned.stats.recomputed_tokens == 2
+    assert planned.stats.segments == [{"how": "test"}]
+    assert plain_text.stats.reused_tokens == 0
+
+
+def test_planner_errors_reach_the_caller(engine):
+    def broken(eng, parts):
+        raise RuntimeError("planner failed")
+
+    engine.set_prefill_planner(broken)
+    try:
+        with pytest.raises(RuntimeError, match="planner failed"):
+            engine.generate(chat(engine, "hello"), max_tokens=4)
+    finally:
+        engine.set_prefill_planner(None)
+    assert engine.generate(chat(engine, "hello"), max_tokens=2).stats.completion_tokens >= 1
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    prompt = engine.chat_segments(STORY)
+    a = engine.generate(prompt, max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    b = engine.generate(prompt, max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids
+
+
+def test_closing_a_stream_cancels_and_frees(engine):
+    loop = EngineLoop(engine, pool_tokens=1024)
+    s = engine.stream(engine.chat_segments(STORY), max_tokens=200, loop=loop)
+    next(s)
+    s.close()
+    done = engine.generate(chat(engine, "hi"), max_tokens=2, loop=loop)  # runs after the cancel is seen
+    assert done.stats.completion_tokens >= 1
+    assert loop.blocks.num_free == loop.blocks.blocks.__len__()
+    assert not loop.scheduler.has_work()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kw", "error"),
+    [
+        ("", {}, EmptyPrompt),
+        ([], {}, EmptyPrompt),
+        ([Segment("")], {}, EmptyPrompt),
+        ([1] * 9000, {}, PromptTooLong),
+        ("hi", {"temperature": -1.0}, InvalidSampling),
+        ("hi", {"top_p": 0.0}, InvalidSampling),
+        ("hi", {"max_tokens": 0}, InvalidSampling),
+        ("hi", {"stop": [""]}, InvalidSampling),
+    ],
+)
+def test_bad_input_raises_before_any_work(engine, prompt, kw, error):
+    steps = engine.loop.steps
+    with pytest.raises(error):
+        engine.generate(prompt, **kw)
+    with pytest.raises(error):
+        engine.stream(prompt, **kw)
+    assert engine.loop.steps == steps

@@ -1,0 +1,111 @@
+"""The paged-KV block manager on its own: refcounts, prefix sharing, freeing, utilisation."""
+
+import pytest
+
+from agentmem.engine import BlockManager, NoFreeBlocks, SamplingParams
+from agentmem.engine.sequence import Sequence
+
+
+def seq(ids, salt=""):
+    return Sequence(list(ids), SamplingParams(), max_new=4, salt=salt)
+
+
+def test_allocate_covers_tokens_and_free_returns_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq(range(10))
+    bm.allocate(s)
+    assert len(s.block_table) == 3 and len(set(s.block_table)) == 3
+    assert bm.num_free == 5 and s.num_computed == 0
+    assert bm.slots(s, 3, 6) == [s.block_table[0] * 4 + 3, s.block_table[1] * 4, s.block_table[1] * 4 + 1]
+    bm.free(s)
+    assert bm.num_free == 8 and s.block_table == []
+
+
+def test_full_blocks_are_shared_by_reference_and_freed_when_last_user_leaves():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(10))
+    bm.allocate(a)
+    a.num_computed = 10
+    bm.register(a)  # publishes the 2 full blocks
+    b = seq(list(range(8)) + [99, 98, 97])
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert b.num_cached == b.num_computed == 8
+    assert [bm.blocks[i].ref for i in a.block_table] == [2, 2, 1]
+    assert bm.num_free == 8 - 3 - 1
+    bm.free(a)
+    assert [bm.blocks[i].ref for i in b.block_table] == [1, 1, 1]
+    bm.free(b)
+    assert bm.num_free == 8
+
+
+def test_freed_blocks_stay_findable_until_reused():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(range(9))
+    bm.allocate(a)
+    a.num_computed = 9
+    bm.register(a)
+    prefix = a.block_table[:2]
+    bm.free(a)
+    b = seq(range(9))
+    bm.allocate(b)  # same prompt after a finished: its prefix blocks come back from the free list
+    assert b.block_table[:2] == prefix and b.num_cached == 8
+    bm.free(b)
+    c = seq(range(100, 116))  # needs all 4 blocks: the cached ones are recycled
+    bm.allocate(c)
+    d = seq(range(9))
+    assert bm._match_prefix(d) == []
+
+
+def test_prefix_match_leaves_a_token_to_compute_and_respects_salt():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(8))
+    bm.allocate(a)
+    a.num_computed = 8
+    bm.register(a)
+    same = seq(range(8))
+    bm.allocate(same)
+    assert same.num_cached == 4  # the last block is recomputed: its last token's logits are needed
+    other_tenant = seq(range(8), salt="t2")
+    bm.allocate(other_tenant)
+    assert other_tenant.num_cached == 0
+
+
+def test_unshareable_sequences_neither_publish_nor_match():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(9))
+    a.shareable = False
+    bm.allocate(a)
+    a.num_computed = 9
+    bm.register(a)
+    b = seq(range(9))
+    bm.allocate(b)
+    assert b.num_cached == 0
+
+
+def test_pool_exhaustion_raises_without_leaking():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = seq(range(8))
+    bm.allocate(a)
+    big = seq(range(100, 108))
+    assert not bm.can_allocate(big)
+    with pytest.raises(NoFreeBlocks):
+        bm.allocate(big)
+    assert big.block_table == [] and bm.num_free == 1
+    bm.ensure_capacity(a, 12)
+    with pytest.raises(NoFreeBlocks):
+        bm.ensure_capacity(a, 13)
+
+
+def test_utilization_counts_shared_blocks_once():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(6))
+    bm.allocate(a)
+    a.num_computed = 6
+    assert bm.utilization([a]) == (6, 8)
+    bm.register(a)
+    b = seq(list(range(4)) + [7])
+    bm.allocate(b)
+    b.num_computed = 5
+    assert bm.utilization([a, b]) == (4 + 2 + 1, 12)
