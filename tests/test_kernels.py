@@ -291,3 +291,44 @@ def test_cuda_kernels_match_references(dtype):
     q_pos, k_pos = torch.randperm(1500, generator=_gen(22))[:200], torch.arange(1500)
     out = kernels.selected_attention(*(t.to(cuda) for t in (q, k, v, q_pos, k_pos))).cpu()
     torch.testing.assert_close(out.float(), attend(*_up(q, k, v), q_pos, k_pos), **_tol(dtype))
+
+
+def _compile_for_hopper(fn, pointers: dict[str, str], constexprs: dict) -> None:
+    """Compile a kernel to a cubin for sm_90 without a GPU (triton bundles ptxas): what the
+    interpreter cannot check (typing of the compiled IR, dot layouts, fp64 math) is checked
+    here. Arguments not named are i32, except the fp32 softmax scale."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        name: pointers.get(name) or ("constexpr" if name in constexprs else "fp32" if name == "qk_scale" else "i32")
+        for name in fn.arg_names
+    }
+    kernel = triton_compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, so needs triton uninterpreted")
+def test_bf16_kernels_compile_for_hopper():
+    from agentmem.engine.kernels import triton_ops as t
+
+    bf16 = "*bf16"
+    _compile_for_hopper(
+        t._rope_kernel,
+        {"x_ptr": bf16, "out_ptr": bf16, "pos_ptr": "*i64", "inv_freq_ptr": "*fp64"},
+        {"BLOCK_H": 16, "HALF": 32},
+    )
+    attn = {"GROUP": 3, "D_PAD": 64, "BLOCK_N": 64, "PRECISION": "tf32", "UPCAST": False}
+    for split in (False, True):
+        _compile_for_hopper(
+            t._paged_decode_kernel,
+            {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "table_ptr": "*i32", "lens_ptr": "*i32",
+             "out_ptr": "*fp32" if split else bf16, "m_ptr": "*fp32", "l_ptr": "*fp32"},
+            {**attn, "G_PAD": 16, "SPLIT": split},
+        )
+    _compile_for_hopper(
+        t._selected_attention_kernel,
+        {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "qpos_ptr": "*i64", "kpos_ptr": "*i64", "out_ptr": bf16},
+        {**attn, "BLOCK_M": 64},
+    )
