@@ -23,6 +23,11 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
+def _qk_scale(hd: int, scale: float | None) -> float:
+    """Softmax scale with log2(e) folded in, for exp2."""
+    return (1.0 / math.sqrt(hd) if scale is None else scale) * _LOG2E
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -190,6 +195,8 @@ def paged_decode_attention(
     batch, heads, hd = q.shape
     kv_heads = k_pool.shape[2]
     group = heads // kv_heads
+    if batch == 0:
+        return torch.empty_like(q)
     max_seq_len = block_tables.shape[1] * k_pool.shape[1]
     splits = _num_splits(batch, kv_heads, max_seq_len, split_len)
     if splits == 1:
@@ -200,16 +207,15 @@ def paged_decode_attention(
     )
     grid = (batch, kv_heads, splits)
     args = (
-        hd, k_pool.shape[1], split_len, (1.0 / math.sqrt(hd) if scale is None else scale) * _LOG2E,
+        hd, k_pool.shape[1], split_len, _qk_scale(hd, scale),
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
     )
     if splits == 1:
         out = torch.empty_like(q)
-        if batch:
-            _paged_decode_kernel[grid](
-                q, k_pool, v_pool, block_tables, seq_lens, out, out, out,
-                *args, out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, **common,
-            )
+        _paged_decode_kernel[grid](
+            q, k_pool, v_pool, block_tables, seq_lens, out, out, out,
+            *args, out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, **common,
+        )
         return out
     part = torch.empty(batch, heads, splits, hd, dtype=torch.float32, device=q.device)
     m = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
@@ -302,7 +308,7 @@ def selected_attention(
     grid = (triton.cdiv(n_q, block_m), heads)
     _selected_attention_kernel[grid](
         q, k, v, q_pos, k_pos, out,
-        n_q, n_k, hd, (1.0 / math.sqrt(hd) if scale is None else scale) * _LOG2E,
+        n_q, n_k, hd, _qk_scale(hd, scale),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=_pow2(block_n, _MIN_DOT), D_PAD=_pow2(hd, _MIN_DOT),
         PRECISION=_dot_precision(q.dtype), UPCAST=_dot_upcast(q.dtype),
