@@ -18,7 +18,8 @@ from .tiers.records import CoreBlock, Hit, Message
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this a hit is noise, not memory
 TURN_SHARE = 0.25  # a single message longer than this share of the budget is cut to it
-RECALL_HEADER = "Memories from earlier conversations (oldest first):\n"
+RECALL_HEADER = ("Answer the user's question using these notes from earlier conversations "
+                 "(oldest first; newer notes replace older ones):\n")
 SUMMARY_HEADER = "Summary of the earlier part of this conversation:\n"
 
 
@@ -68,8 +69,10 @@ class Context:
 def memory_line(hit: Hit) -> str:
     """A recalled memory as prompt text: stable across turns (no rank, no score)."""
     text = " ".join((hit.compressed_text or hit.text).split())
-    who = hit.role if hit.kind == "message" else hit.kind
-    return f"- {hit.time:%Y-%m-%d} {who}: {text}\n"
+    if hit.kind == "message":
+        who = "you said" if hit.role == "assistant" else "the user said"
+        return f'- {hit.time:%Y-%m-%d} {who}: "{text}"\n'
+    return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
 
 class Assembler:

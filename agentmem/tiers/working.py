@@ -24,9 +24,8 @@ EVICT_TARGET = 0.6  # of the budget, after an eviction
 SUMMARY_SHARE = 0.15  # of the budget the summary may use
 LINE_CHARS = 200  # one summary line quotes at most this much of a message
 DEFAULT_BLOCKS = {
-    "persona": ("You are a helpful assistant with a long-term memory of the user. The notes below are "
-                "what you remember from earlier conversations; newer notes replace older ones. "
-                "Answer from them when they are relevant, briefly."),
+    # kept plain on purpose: SmolLM2-135M answers worse when told it is a "memory assistant"
+    "persona": "You are a helpful assistant.",
     "human": "",
 }
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s")

@@ -1,0 +1,285 @@
+"""`agentmem bench memory`: multi-session memory QA on a seeded synthetic workload.
+
+Each user states personal facts early, changes some of them in a later session, and talks
+about unrelated things for hundreds of turns; a new session then asks about every fact.
+History is imported with `add_messages` (no generation), so only the questions run the model.
+
+Conditions, all on the same engine and workload:
+- memory: `AgentSession.chat` (recall + working context + summary), the system under test;
+- full context: the same model given as much of the raw history as fits the window
+  (newest kept), the usual baseline.
+Each condition is a function (`run_memory`, `run_full_context`) taking a prepared workload,
+so other conditions (reflection, compression) can be added next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+# (key, statement, change statement or None, question, values)
+FACTS = [
+    ("dog", "My dog is called {v}.", "We renamed our dog, he is called {v} now.", "What is my dog called?",
+     ["Biscuit", "Pepper", "Mango", "Ziggy", "Noodle", "Waffles"]),
+    ("city", "I live in {v}.", "I moved last month, I live in {v} now.", "Which city do I live in?",
+     ["Lisbon", "Denver", "Osaka", "Nairobi", "Krakow", "Tampere"]),
+    ("job", "I work as a {v}.", "I changed careers, I now work as a {v}.", "What is my job?",
+     ["nurse", "carpenter", "pilot", "librarian", "chemist", "baker"]),
+    ("color", "My favorite color is {v}.", "My favorite color changed, it is {v} now.", "What is my favorite color?",
+     ["teal", "maroon", "amber", "violet", "olive", "crimson"]),
+    ("sister", "My sister's name is {v}.", None, "What is my sister's name?",
+     ["Greta", "Ingrid", "Priya", "Marisol", "Yuki", "Esther"]),
+    ("car", "I drive a {v}.", "I sold my old car and now drive a {v}.", "What car do I drive?",
+     ["Volvo", "Subaru", "Tesla", "Fiat", "Skoda", "Mazda"]),
+    ("instrument", "I play the {v}.", "I gave up my old instrument, now I play the {v}.", "Which instrument do I play?",
+     ["cello", "banjo", "trumpet", "harp", "oboe", "ukulele"]),
+    ("allergy", "I am allergic to {v}.", None, "What am I allergic to?",
+     ["peanuts", "shellfish", "penicillin", "pollen", "latex", "sesame"]),
+]
+TOPICS = ["medieval castles", "tide pools", "board games", "the history of clocks", "mountain weather",
+          "origami", "space probes", "coral reefs", "jazz records", "old maps", "bird migration", "chess openings",
+          "volcanoes", "street photography", "lighthouses", "tea ceremonies", "desert plants", "train timetables",
+          "glass blowing", "Roman roads", "crossword puzzles", "northern lights", "beekeeping", "sailing knots"]
+ACTIVITIES = ["read an article", "watched a documentary", "listened to a podcast", "had a long walk",
+              "visited a museum", "talked with a neighbour", "cleaned the garage", "tried a new recipe"]
+FILLERS = ["It was more interesting than I expected.", "I keep coming back to it in my head.",
+           "Some of the details were surprising.", "It took most of the afternoon.",
+           "I should probably write some notes about it.", "A friend recommended it to me weeks ago."]
+REPLIES = ["{t} is a rich subject; people often find the small details the most rewarding.",
+           "That sounds like a good way to spend the day. {t} has a long and curious history.",
+           "Many people enjoy {t}; it rewards patience and a bit of curiosity.",
+           "Thanks for sharing. If you want, we can look at {t} in more depth next time."]
+BASE_TIME = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+
+
+@dataclass
+class Question:
+    user: str
+    key: str
+    text: str
+    answer: str
+    old_answer: str | None
+    evidence: int  # index into the user's history of the message that holds the answer
+    evidence_id: int = 0  # its archive id, once imported
+
+
+@dataclass
+class UserHistory:
+    user: str
+    sessions: list[list[dict]]
+    questions: list[Question] = field(default_factory=list)
+
+
+def build_workload(seed: int, users: int, facts: int, turns: int, sessions: int, change_frac: float) -> list[UserHistory]:
+    """Deterministic histories: facts in session 1, changes in the last past session,
+    `turns` messages per user in all (user/assistant pairs of distractor talk around them)."""
+    rng = random.Random(seed)
+    if not 1 <= facts <= len(FACTS):
+        raise SystemExit(f"--facts must be in 1..{len(FACTS)}")
+    if sessions < 2:
+        raise SystemExit("--sessions must be at least 2 (facts first, changes later)")
+    out = []
+    for u in range(users):
+        name = f"user{u}"
+        chosen = rng.sample(FACTS, facts)
+        per_session = max(2, turns // sessions // 2)  # pairs per session
+        convo: list[list[dict]] = []
+        idx = 0
+        questions = []
+        changeable = [f for f in chosen if f[2] is not None]
+        changed = set(f[0] for f in rng.sample(changeable, round(change_frac * len(changeable))))
+        first: dict[str, tuple[str, int]] = {}
+        for s in range(sessions):
+            msgs: list[dict] = []
+            pairs = [_distractor(rng) for _ in range(per_session)]
+            if s == 0:
+                stated = [(f, f[1].format(v=f[4][u % len(f[4])])) for f in chosen]
+            elif s == sessions - 1 and changed:
+                stated = [(f, f[2].format(v=f[4][(u + 3) % len(f[4])])) for f in chosen if f[0] in changed]
+            else:
+                stated = []
+            slots = sorted(rng.sample(range(per_session), min(len(stated), per_session)))
+            for p, (user_text, reply) in enumerate(pairs):
+                if slots and p == slots[0]:
+                    slots.pop(0)
+                    f, text = stated.pop(0)
+                    first[f[0]] = (text, idx)
+                    msgs.append({"role": "user", "content": text})
+                    msgs.append({"role": "assistant", "content": "Thanks, I will remember that."})
+                    idx += 2
+                msgs.append({"role": "user", "content": user_text})
+                msgs.append({"role": "assistant", "content": reply})
+                idx += 2
+            convo.append(msgs)
+        t = BASE_TIME + timedelta(days=30 * u)
+        for s, msgs in enumerate(convo):
+            for i, m in enumerate(msgs):
+                m["created_at"] = t + timedelta(days=7 * s, minutes=2 * i)
+        for f in chosen:
+            now = f[4][(u + 3) % len(f[4])] if f[0] in changed else f[4][u % len(f[4])]
+            old = f[4][u % len(f[4])] if f[0] in changed else None
+            questions.append(Question(name, f[0], f[3], now, old, first[f[0]][1]))
+        out.append(UserHistory(name, convo, questions))
+    return out
+
+
+def _distractor(rng: random.Random) -> tuple[str, str]:
+    t1, t2 = rng.sample(TOPICS, 2)
+    user = (f"Yesterday I {rng.choice(ACTIVITIES)} and it made me think about {t1}. {rng.choice(FILLERS)} "
+            f"{rng.choice(FILLERS)} Do you know anything interesting about {t2}?")
+    return user, rng.choice(REPLIES).format(t=t2.capitalize())
+
+
+# --- conditions ---------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    correct: bool
+    evidence: bool
+    prompt_tokens: int
+    seconds: float
+    reply: str
+
+
+def prepare(store, engine, config, workload: list[UserHistory], tenant_id: str) -> None:
+    """Import every user's history into `tenant_id` (one AgentSession per past session)."""
+    from .session import AgentSession
+
+    for h in workload:
+        flat: list[int] = []
+        for msgs in h.sessions:
+            s = AgentSession(h.user, tenant_id=tenant_id, config=config, engine=engine, store=store)
+            flat += [m.id for m in s.add_messages(msgs)]
+        for q in h.questions:
+            q.evidence_id = flat[q.evidence]
+        print(f"  imported {h.user}: {len(flat)} messages", file=sys.stderr)
+
+
+def run_memory(store, engine, config, workload: list[UserHistory], tenant_id: str, max_tokens: int) -> list[Outcome]:
+    """Ask every question in a new session of each user, through `AgentSession.chat`."""
+    from .session import AgentSession
+
+    out = []
+    for h in workload:
+        s = AgentSession(h.user, tenant_id=tenant_id, config=config, engine=engine, store=store)
+        for q in h.questions:
+            t0 = time.perf_counter()
+            reply = s.chat(q.text, max_tokens=max_tokens)
+            dt = time.perf_counter() - t0
+            tr = s.last_turn
+            refs = {seg["ref"] for seg in tr.segments}
+            evidence = f"message:{q.evidence_id}" in refs or any(
+                q.evidence_id in m["source_ids"] and q.answer.lower() in m["text"].lower() for m in tr.memories_used)
+            out.append(Outcome(q.answer.lower() in reply.lower(), evidence, tr.stats.prompt_tokens, dt, reply))
+            print(f"  memory {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} ev={evidence} "
+                  f"{tr.stats.prompt_tokens} tok {dt:.2f}s {reply[:60]!r}", file=sys.stderr)
+    return out
+
+
+def run_full_context(engine, workload: list[UserHistory], window: int, max_tokens: int) -> list[Outcome]:
+    """The same model, the raw history newest-first until the window is full, then the question."""
+    out = []
+    for h in workload:
+        history = [m for msgs in h.sessions for m in msgs]
+        for q in h.questions:
+            tail = [engine.format_message("user", q.text), engine.chat.generation_prefix]
+            room = window - sum(engine.count_tokens(t) for t in tail)
+            kept: list[str] = []
+            first_kept = len(history)
+            for i in range(len(history) - 1, -1, -1):
+                text = engine.format_message(history[i]["role"], history[i]["content"])
+                n = engine.count_tokens(text)
+                if n > room:
+                    break
+                kept.insert(0, text)
+                room -= n
+                first_kept = i
+            t0 = time.perf_counter()
+            g = engine.generate("".join(kept + tail), max_tokens=max_tokens, temperature=0.0)
+            dt = time.perf_counter() - t0
+            out.append(Outcome(q.answer.lower() in g.text.lower(), q.evidence >= first_kept,
+                               g.stats.prompt_tokens, dt, g.text))
+            print(f"  full {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} {g.stats.prompt_tokens} tok "
+                  f"{dt:.2f}s {g.text[:60]!r}", file=sys.stderr)
+    return out
+
+
+def history_tokens(engine, workload: list[UserHistory]) -> list[int]:
+    return [sum(engine.count_tokens(engine.format_message(m["role"], m["content"])) for msgs in h.sessions for m in msgs)
+            for h in workload for _ in h.questions]
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    n = len(outcomes)
+    return {"accuracy": sum(o.correct for o in outcomes) / n, "evidence": sum(o.evidence for o in outcomes) / n,
+            "prompt_tokens_mean": statistics.mean(o.prompt_tokens for o in outcomes),
+            "p50": _pct([o.seconds for o in outcomes], 0.5), "p95": _pct([o.seconds for o in outcomes], 0.95)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="agentmem bench memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--users", type=int, default=3)
+    ap.add_argument("--facts", type=int, default=5, help=f"facts (and questions) per user, at most {len(FACTS)}")
+    ap.add_argument("--turns", type=int, default=300, help="messages of history per user")
+    ap.add_argument("--sessions", type=int, default=4, help="past sessions per user")
+    ap.add_argument("--change-frac", type=float, default=0.4, help="share of changeable facts changed later")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--window", type=int, default=None, help="full-context baseline window (default: the model's)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the full-context baseline")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+
+    from .config import Config
+    from .engine import Engine
+    from .tiers import MemoryStore
+
+    data = tempfile.mkdtemp(prefix="agentmem-bench-")
+    config = Config(data_dir=data, dtype=args.dtype)
+    print(f"loading engine and embedder (data in {data})", file=sys.stderr)
+    engine = Engine.load(config)
+    store = MemoryStore(config)
+    workload = build_workload(args.seed, args.users, args.facts, args.turns, args.sessions, args.change_frac)
+    t0 = time.perf_counter()
+    prepare(store, engine, config, workload, "bench")
+    import_s = time.perf_counter() - t0
+    mem = summarize(run_memory(store, engine, config, workload, "bench", args.max_tokens))
+    hist = history_tokens(engine, workload)
+    result = {
+        "evidence_recall_at_10": mem["evidence"],
+        "answer_accuracy": mem["accuracy"],
+        "full_context_accuracy": None,
+        "prompt_tokens_mean": mem["prompt_tokens_mean"],
+        "history_tokens_mean": statistics.mean(hist),
+        "prompt_to_history": mem["prompt_tokens_mean"] / statistics.mean(hist),
+        "turn_p50_s": mem["p50"],
+        "turn_p95_s": mem["p95"],
+    }
+    if not args.no_baseline:
+        window = args.window or engine.context_window - args.max_tokens - 1
+        full = summarize(run_full_context(engine, workload, window, args.max_tokens))
+        result |= {"full_context_accuracy": full["accuracy"], "full_context_evidence": full["evidence"],
+                   "full_context_prompt_tokens_mean": full["prompt_tokens_mean"],
+                   "full_context_turn_p50_s": full["p50"], "full_context_window": window}
+    result |= {"questions": len(hist), "users": args.users, "turns_per_user": args.turns, "seed": args.seed,
+               "import_s": import_s, "recall_k": config.recall_k, "context_budget": config.context_budget,
+               "model": engine.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
+               "device": str(engine.device)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>32}: {v}")
+    return 0

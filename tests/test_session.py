@@ -1,0 +1,152 @@
+"""AgentSession end to end on the shared fp32 engine: the turn, streaming, prompt assembly,
+eviction into the summary, bad input, forgetting, a new process, concurrent sessions."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agentmem import AgentSession
+from agentmem.config import Config
+from agentmem.tiers import InvalidInput, MemoryStore
+
+FACT = "My dog is called Biscuit."
+
+
+@pytest.fixture
+def make(tmp_path, engine, embedder):
+    stores = []
+
+    def make(user="alice", budget=2048, **kw):
+        cfg = Config(data_dir=tmp_path, dtype="float32", device="cpu", context_budget=budget)
+        store = MemoryStore(cfg, embedder=embedder)
+        stores.append(store)
+        return AgentSession(user, config=cfg, engine=engine, store=store, **kw)
+
+    yield make
+    for s in stores:
+        s.close()
+
+
+def test_turn_is_traced_and_a_new_process_remembers(make):
+    s1 = make()
+    reply = s1.chat(FACT, max_tokens=6)
+    assert isinstance(reply, str)
+    t = s1.last_turn
+    assert t.stats.prompt_tokens == sum(seg["tokens"] for seg in t.segments)
+    assert t.segments[0]["tier"] == "system" and t.segments[-1]["tier"] == "generation"
+    assert len(t.message_ids) == (2 if reply.strip() else 1)
+    assert t.to_dict()["stats"]["prompt_tokens"] == t.stats.prompt_tokens
+    s2 = make()  # a fresh store and session on the same data dir: a new process
+    assert s2.session_id != s1.session_id
+    ctx = s2.context("What is my dog's name?")
+    recalled = [seg for seg in ctx.segments if seg.tier == "recall" and seg.ref != "recall:header"]
+    assert any(FACT in seg.text for seg in recalled)
+    assert any(h.text == FACT and h.kind == "message" for h in ctx.memories)
+    assert s2.store.turns("default", "alice", s1.session_id)[0].trace["segments"][0]["tier"] == "system"
+
+
+def test_stream_commits_the_user_message_before_generating(make):
+    s = make()
+    it = s.chat("Tell me a word.", stream=True, max_tokens=5)
+    stored = s.store.session_messages("default", "alice", s.session_id)
+    assert [m.text for m in stored] == ["Tell me a word."]  # durable before the first token
+    text = "".join(it)
+    msgs = s.store.session_messages("default", "alice", s.session_id)
+    assert s.last_turn.reply == text.strip()
+    if text.strip():
+        assert msgs[-1].role == "assistant" and msgs[-1].text == text.strip()
+
+
+def test_memory_segments_are_stable_and_ordered(make):
+    s = make()
+    s.add_messages([{"role": "user", "content": FACT}, {"role": "user", "content": "I live in Lisbon."}])
+    s2 = make()
+    a = s2.context("What is my dog called?")
+    b = s2.context("Remind me about my dog.")
+    seg_a = {x.ref: x.text for x in a.segments if x.tier == "recall"}
+    seg_b = {x.ref: x.text for x in b.segments if x.tier == "recall"}
+    shared = set(seg_a) & set(seg_b) - {"recall:header"}
+    assert shared and all(seg_a[r] == seg_b[r] for r in shared)
+    prompt = a.prompt
+    assert all(p.namespace == "default" for p in prompt)
+    assert not prompt[-1].cacheable and all(p.cacheable for p in prompt[:-1])
+    tiers = [x.tier for x in a.segments]
+    assert tiers.index("recall") < tiers.index("user") < tiers.index("generation")
+
+
+def test_eviction_folds_old_turns_into_the_summary(make):
+    s = make(budget=600)
+    msgs = [{"role": "user", "content": f"Note {i}: the meeting about topic {i} moved to room {100 + i}."}
+            for i in range(40)]
+    stored = s.add_messages(msgs)
+    first_kept = s.working.queue[0].id
+    assert s.working.evictions >= 1 and first_kept > stored[0].id
+    last_evicted = next(m for m in reversed(stored) if m.id < first_kept)
+    assert s.working.summary.splitlines()[-1].endswith(last_evicted.text)
+    assert s.search("meeting about topic 0", k=1)[0].id == stored[0].id  # evicted, still recalled
+    ctx = s.context("Where is the meeting about topic 39?")
+    assert ctx.total_tokens <= 600
+    assert [x.tier for x in ctx.segments].count("summary") == 1
+    summary = s.store.archive.latest_summary("default", "alice", s.session_id)
+    assert summary.text == s.working.summary
+    resumed = make(session_id=s.session_id)  # a resumed session loads summary and queue
+    assert resumed.working.summary == s.working.summary
+    assert [m.id for m in resumed.working.queue] == [m.id for m in s.working.queue]
+
+
+def test_huge_message_is_stored_and_the_turn_fits(make, engine):
+    s = make()
+    huge = "Lots of words about nothing in particular, repeated for a long while. " * 600
+    huge += "What is the last word of this message?"
+    assert engine.count_tokens(huge) > engine.context_window
+    s.chat(huge, max_tokens=3)
+    assert s.store.session_messages("default", "alice", s.session_id)[0].text == huge
+    assert s.last_turn.stats.prompt_tokens <= s.config.context_budget
+
+
+def test_bad_input_is_refused_before_anything_is_stored(make):
+    s = make()
+    for bad in (b"\xc3\x28", "", "  \n ", "a\x00b"):
+        with pytest.raises(InvalidInput):
+            s.chat(bad)
+    assert s.store.session_messages("default", "alice", s.session_id) == []
+    with pytest.raises(InvalidInput):
+        s.search("")
+
+
+def test_forget_deletes_every_tier(make):
+    s = make()
+    s.add_messages([{"role": "user", "content": FACT}])
+    s.store.add_memory("default", "alice", "Dog: Biscuit")
+    index_path = s.store.recall._paths("default", "alice")[0]
+    assert index_path.exists() and s.search("dog")
+    old_session = s.session_id
+    s.forget()
+    assert s.search("dog") == [] and s.memories() == []
+    assert s.store.list_sessions("default", "alice") == [s.store.list_sessions("default", "alice")[0]]
+    assert s.store.list_sessions("default", "alice")[0].id != old_session
+    assert s.working.queue == [] and s.working.summary == ""
+
+
+def test_concurrent_sessions_of_one_user(make):
+    a, b = make(), make()
+    out, errors = {}, []
+
+    def talk(sess, text):
+        try:
+            out[sess.session_id] = sess.chat(text, max_tokens=4)
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=talk, args=(a, "I like tea.")),
+               threading.Thread(target=talk, args=(b, "I like coffee."))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(out) == 2
+    texts = {m.text for sess in (a, b) for m in sess.store.session_messages("default", "alice", sess.session_id)}
+    assert {"I like tea.", "I like coffee."} <= texts
+    assert a.search("coffee", k=1)[0].text == "I like coffee."
