@@ -12,6 +12,7 @@ import re
 import socket
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -119,6 +120,38 @@ def api_memories(server: Server, user: str) -> list[dict]:
     r = server.http.get(f"/v1/users/{user}/memories", params={"status": "all"})
     r.raise_for_status()
     return r.json()["data"]
+
+
+QUESTIONS = ("Where do I live now?", "Any dinner idea for tonight?", "Where do I live now?")
+SEEDED_TURNS = len(QUESTIONS)
+
+
+@pytest.fixture(scope="module")
+def iris(server) -> str:
+    """A user worth looking at: core blocks, two sessions, facts (one superseded), real turns."""
+    user = "iris"
+    http, store, tid = server.http, server.store, server.tenant_id
+    http.put(f"/v1/users/{user}/core/persona", json={"value": "You are Ada, a warm and concise assistant."})
+    http.put(f"/v1/users/{user}/core/human", json={"value": "Name: Iris. Nurse. Vegetarian. Lives in Lyon."})
+    first = http.post(f"/v1/users/{user}/messages", json={"session_id": "trip-planning", "messages": [
+        {"role": "user", "content": "Hi, I'm Iris. I live in Paris and I work night shifts as a nurse."},
+        {"role": "assistant", "content": "Nice to meet you, Iris! Night shifts are hard; how can I help?"},
+        {"role": "user", "content": "I'm vegetarian, so suggest restaurants without meat, please."}]}).json()["data"]
+    moved = http.post(f"/v1/users/{user}/messages", json={"session_id": "moving", "messages": [
+        {"role": "user", "content": "Big news: I moved to Lyon last week."}]}).json()["data"]
+    ago = lambda days: datetime.now(UTC) - timedelta(days=days)  # noqa: E731
+    paris = store.add_memory(tid, user, "Iris lives in Paris.", 0.7, source_ids=[first[0]["id"]], event_time=ago(40))
+    store.add_memory(tid, user, "Iris works night shifts as a nurse.", 0.6, source_ids=[first[0]["id"]],
+                     event_time=ago(39))
+    store.add_memory(tid, user, "Iris is vegetarian.", 0.8, source_ids=[first[2]["id"]], event_time=ago(30))
+    lyon = store.add_memory(tid, user, "Iris lives in Lyon.", 0.75, source_ids=[moved[0]["id"]], event_time=ago(7))
+    store.supersede(tid, user, paris.id, lyon.id)
+    for text in QUESTIONS:
+        r = http.post("/v1/chat/completions", json={"model": "agentmem", "user": user, "session_id": "moving",
+                                                    "max_tokens": 8, "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 200, r.text
+    assert len(http.get(f"/v1/users/{user}/turns").json()["data"]) == SEEDED_TURNS
+    return user
 
 
 # --- serving -----------------------------------------------------------------------------
@@ -233,18 +266,13 @@ def test_core_block_edit_through_page(server, page):
     assert blocks["human"] == "Name: Fay. Prefers short answers."
 
 
-def test_turn_view_shows_the_prompt_segments_and_their_kv(server, page):
-    server.http.put("/v1/users/gus/core/human", json={"value": "Name: Gus. Plays the cello."}).raise_for_status()
-    for text in ("Hello, I am Gus.", "What instrument do I play?"):
-        r = server.http.post("/v1/chat/completions", json={
-            "model": "agentmem", "user": "gus", "max_tokens": 4, "messages": [{"role": "user", "content": text}]})
-        assert r.status_code == 200, r.text
-    turns = server.http.get("/v1/users/gus/turns").json()["data"]
-    assert len(turns) == 2
+def test_turn_view_shows_the_prompt_segments_and_their_kv(server, iris, page):
+    turns = server.http.get(f"/v1/users/{iris}/turns").json()["data"]
+    assert len(turns) == SEEDED_TURNS
     last = turns[-1]
-    segs = last["trace"]["segments"]
+    segs, stats = last["trace"]["segments"], last["trace"]["stats"]
 
-    open_user(page, server, "gus", "turn")
+    open_user(page, server, iris, "turn")
     rows = page.locator("table.segments tbody tr")
     rows.first.wait_for()
     assert rows.count() == len(segs)
@@ -254,11 +282,15 @@ def test_turn_view_shows_the_prompt_segments_and_their_kv(server, page):
         assert int(cells.nth(2).inner_text()) == seg["tokens"]
         assert rows.nth(i).get_attribute("data-kv") in ("reused", "blended", "prefilled")
     assert page.locator(".bar:not(.kv) > div").count() == len(segs)
-    ttft_ms = round(last["trace"]["stats"]["ttft_s"] * 1000)
+    ttft_ms = round(stats["ttft_s"] * 1000)
     assert page.locator(".stat", has_text="time to first token").inner_text().startswith(f"{ttft_ms} ms")
-    assert "Plays the cello." in page.locator(".prompt").inner_text()
+    ratio = round(stats["cache_hit_ratio"] * 100)
+    assert page.locator(".stat", has_text="KV cache hit ratio").inner_text().startswith(f"{ratio}%")
+    assert "Lives in Lyon." in page.locator(".prompt").inner_text()
 
     page.click('#tabs a[data-tab="sessions"]')
+    settle(page)
+    page.click('.list a[data-session="moving"]')
     settle(page)
     link = page.locator(".msg.user a.ref", has_text="inspect prompt").first
     link.click()
@@ -268,6 +300,22 @@ def test_turn_view_shows_the_prompt_segments_and_their_kv(server, page):
     settle(page)
     page.locator("#ratio-plot circle").first.wait_for()
     assert page.locator("#ratio-plot circle").count() == len(turns)
+
+
+def test_prefix_cache_reuse_is_attributed_to_the_first_segments(server, page):
+    """Without per-segment KV info, a trace's reused_tokens are the prompt's first tokens."""
+    page.goto(f"{server.base}/ui/")
+    segs = page.evaluate("""async () => {
+      const { segmentsOf } = await import("./prompt.js");
+      const trace = { segments: [{ tier: "system", tokens: 10, kv: "prefilled" }, { tier: "core", tokens: 20, kv: "prefilled" },
+        { tier: "user", tokens: 5, kv: "prefilled" }], stats: { reused_tokens: 16, recomputed_tokens: 0 } };
+      const mixed = { segments: [{ tier: "recall", tokens: 8, kv: "blended" }, { tier: "user", tokens: 4, kv: "prefilled" }],
+        stats: { reused_tokens: 6, recomputed_tokens: 2 } };
+      return [segmentsOf(trace), segmentsOf(mixed)];
+    }""")
+    prefix, blended = segs
+    assert [(x["kv"], x["cached"]) for x in prefix] == [("reused", 10), ("reused", 6), ("prefilled", 0)]
+    assert [(x["kv"], x["cached"]) for x in blended] == [("blended", 8), ("prefilled", 0)]
 
 
 def test_stored_markup_is_shown_as_text(server, page):
@@ -295,9 +343,8 @@ def take_screenshots(page, server: Server, user: str, out: Path) -> list[Path]:
     return shots
 
 
-def test_screenshot_of_each_view(server, page, tmp_path):
+def test_screenshot_of_each_view(server, iris, page, tmp_path):
     """Every view renders; AGENTMEM_UI_SCREENSHOTS=<dir> keeps the images (docs/screenshots)."""
-    server.http.post("/v1/users/ana/memories", json={"text": "Ana likes plums."}).raise_for_status()
     out = Path(os.environ.get("AGENTMEM_UI_SCREENSHOTS") or tmp_path)
-    for shot in take_screenshots(page, server, "ana", out):
+    for shot in take_screenshots(page, server, iris, out):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5_000

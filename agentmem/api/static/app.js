@@ -94,6 +94,7 @@ async function draw(ticket) {
 async function follow(r, ref) {
   const [kind, id] = String(ref).split(":");
   if (kind === "memory") return go({ tab: "memories", focus: `memory-${id}` });
+  if (kind === "core") return go({ tab: "core", focus: `core-${id}` });
   if (kind !== "message") return;
   try {
     for (const sess of await api.sessions(r.user)) {
@@ -157,7 +158,7 @@ const VIEWS = {
     const blocks = await api.coreBlocks(r.user);
     const block = (b) => {
       const area = h("textarea", { "aria-label": `core block ${b.label}`, maxlength: b.limit || undefined }, b.value);
-      return h("div", { class: "block", "data-block": b.label },
+      return h("div", { class: "block", "data-block": b.label, "data-focus": `core-${b.label}` },
         h("header", {}, h("b", {}, b.label),
           h("span", { class: "meta" }, ` · ${b.value.length}/${b.limit ?? "∞"} chars · updated ${when(b.updated_at)}`)),
         area,

@@ -15,12 +15,21 @@ function frame(t0, t1, yTicks, yFmt) {
     parts.push(s("text", { x: PAD.l - 6, y: y(v) + 4, "text-anchor": "end" }, yFmt(v)));
   }
   parts.push(s("line", { class: "axis", x1: PAD.l, x2: W - PAD.r, y1: H - PAD.b, y2: H - PAD.b }));
-  const label = (t, anchor) => s("text", { x: x(t), y: H - PAD.b + 16, "text-anchor": anchor },
-    when(new Date(t).toISOString()).slice(5, 16));
+  const label = (t, anchor) => s("text", { x: x(t), y: H - PAD.b + 16, "text-anchor": anchor }, tick(t, t1 - t0));
   if (t1 === t0) parts.push(label(t0, "middle"));
   else for (let i = 0; i <= 4; i++) parts.push(label(t0 + ((t1 - t0) * i) / 4, ["start", "middle", "middle", "middle", "end"][i]));
   return { x, y, parts };
 }
+
+// Tick labels as fine as the plotted span needs: days, minutes or seconds.
+function tick(t, range) {
+  const iso = when(new Date(t).toISOString());
+  if (range >= 4 * DAY) return iso.slice(5, 10);
+  if (range >= DAY / 4) return iso.slice(5, 16);
+  return iso.slice(11, 19);
+}
+
+const DAY = 86_400_000;
 
 function span(times) {
   const t0 = Math.min(...times), t1 = Math.max(...times);
