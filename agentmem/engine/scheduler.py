@@ -33,6 +33,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -49,6 +50,7 @@ class Scheduler:
         self.blocks.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
         self.waiting.appendleft(seq)
