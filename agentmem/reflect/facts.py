@@ -124,6 +124,29 @@ TEMPLATES: list[Template] = [
         importance=0.5,
     ),
     Template(
+        "drives", r"\b(?:i|and)\s+(?:now\s+|still\s+)?drive\s+" + _VALUE + _END, "The user drives {value}."
+    ),
+    Template(
+        "plays",
+        r"\bi\s+(?:now\s+|still\s+)?play\s+" + _VALUE + _END,
+        "The user plays {value}.",
+        single=False,
+        importance=0.5,
+    ),
+    Template(
+        "{attr}",
+        r"\b(?:we|i)\s+renamed\s+(?:my|our)\s+(?P<attr>[a-z]+)\b[^.]*?\b(?:called|named|to)\s+"
+        + _VALUE
+        + _END,
+        "The user's {attr} is {value}.",
+    ),
+    Template(
+        "{attr}",
+        r"\bmy\s+(?P<attr>[a-z][a-z' -]{1,40}?)\s+(?:has\s+)?changed\b[^.]*?\b(?:it|he|she|they)\s+"
+        r"(?:is|are)\s+(?:now\s+)?" + _VALUE + _END,
+        "The user's {attr} is {value}.",
+    ),
+    Template(
         "{attr}",
         r"\bmy\s+(?P<attr>[a-z][a-z' -]{1,40}?)\s+(?:is|are)\s+(?:now\s+|called\s+|named\s+)*"
         + _VALUE
@@ -160,6 +183,7 @@ _TRAILING = re.compile(
     r"|last (?:week|month|year|night)|this (?:week|month|year)|a (?:while|few \w+) ago|\w+ (?:days|weeks|months|years) ago))+$",
     re.IGNORECASE,
 )
+_CHANGE = re.compile(r"\b(?:gave up|quit|stopped|no longer|instead|switched|changed|replaced)\b", re.IGNORECASE)
 _FILLER_VALUES = {"it", "that", "this", "them", "so", "too", "a lot", "good", "fine", "great", "ok", "okay"}
 
 # topics the model may pick for a sentence no pattern matched ("none": nothing lasting)
@@ -193,6 +217,7 @@ class Fact:
     source_id: int
     event_time: datetime | None = None
     how: str = "pattern"  # pattern | model
+    replaces: bool = False  # said as a change ("I gave up X, now I play Y"): supersedes even a multi-valued slot
 
 
 @dataclass
@@ -230,6 +255,7 @@ def same_value(a: str, b: str) -> bool:
 def pattern_facts(sentence: str, source_id: int, event_time: datetime | None = None) -> list[Fact]:
     """Facts the templates find in one sentence; the first template per slot wins."""
     found: dict[str, Fact] = {}
+    change = _CHANGE.search(sentence) is not None
     negated = re.search(r"\b(?:don't|do not|no longer|never|not)\b", sentence, re.IGNORECASE)
     for c in _COMPILED:
         t = c.template
@@ -246,7 +272,7 @@ def pattern_facts(sentence: str, source_id: int, event_time: datetime | None = N
             if slot in found or (t.slot == "{attr}" and attr in ("name", "job", "age", "home")):
                 continue
             text = t.text.format(attr=attr, value=value)
-            found[slot] = Fact(text, slot, value, t.single, t.importance, source_id, event_time)
+            found[slot] = Fact(text, slot, value, t.single, t.importance, source_id, event_time, replaces=change)
     return list(found.values())
 
 

@@ -167,7 +167,7 @@ def _integrate(fact: Fact, facts: _UserFacts, report: ReflectReport, compressor:
     )
     facts.seen.add((fact.source_id, fact.text))
     report.facts_added.append(new.id)
-    if fact.single:
+    if fact.single or fact.replaces:
         for old in facts.same_slot(fact.slot):
             if fact.event_time is not None and old.time > fact.event_time:
                 # told out of order: the stored fact is the newer one
