@@ -36,7 +36,7 @@ def test_no_server_errors(fuzz_server):
         if (op.method.upper(), op.path) == ("DELETE", "/v1/tenant"):
             continue  # would delete the fuzzing tenant itself; covered in test_api
 
-        @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+        @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                   database=None)
         @given(case=op.as_strategy())
         def run(case):
