@@ -1,0 +1,81 @@
+"""`agentmem demo`: memory at work across sessions and processes, on the embedded defaults.
+
+Session 1 states a few facts; session 2 is a long stretch of unrelated talk (imported,
+no generation); then a NEW PROCESS opens session 3 on the same data directory and asks
+about the facts. Each answer is printed with the memories its prompt was built from, the
+prompt's size against the whole history, and how much of its KV was reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+
+FACTS = ["Hi! My name is Alice and I live in Lisbon.", "My dog is called Biscuit.", "I am allergic to peanuts."]
+QUESTIONS = ["What is my dog called?", "Which city do I live in?", "What am I allergic to?"]
+TOPICS = ["tide pools", "old maps", "jazz records", "volcanoes", "lighthouses", "beekeeping", "chess openings",
+          "Roman roads", "origami", "bird migration"]
+
+
+def _session(data_dir: str, session_id: str | None = None):
+    from .config import Config
+    from .session import AgentSession
+
+    return AgentSession("alice", session_id=session_id, config=Config(data_dir=data_dir))
+
+
+def phase_one(data_dir: str, max_tokens: int) -> None:
+    s = _session(data_dir)
+    print(f"\n=== session 1 ({s.session_id[:8]}), process {__import__('os').getpid()} ===")
+    for text in FACTS:
+        print(f"you> {text}")
+        print(f"bot> {s.chat(text, max_tokens=max_tokens)}")
+    s2 = _session(data_dir)
+    turns = []
+    for i in range(60):
+        t = TOPICS[i % len(TOPICS)]
+        turns += [{"role": "user", "content": f"Let's talk about {t} for a while; what is one curious fact about {t}?"},
+                  {"role": "assistant", "content": f"One curious thing about {t} is how much history it hides."}]
+    s2.add_messages(turns)
+    print(f"\n=== session 2 ({s2.session_id[:8]}): {len(turns)} messages of unrelated talk imported ===")
+
+
+def phase_two(data_dir: str, max_tokens: int) -> None:
+    from .repl import show_turn
+
+    s = _session(data_dir)
+    history = sum(s.engine.count_tokens(m.text) for sess in s.store.list_sessions("default", "alice")
+                  for m in s.store.session_messages("default", "alice", sess.id))
+    print(f"\n=== session 3 ({s.session_id[:8]}), a new process {__import__('os').getpid()}; "
+          f"history so far: {history} tokens ===")
+    for q in QUESTIONS:
+        t0 = time.perf_counter()
+        reply = s.chat(q, max_tokens=max_tokens)
+        print(f"you> {q}\nbot> {reply}   ({time.perf_counter() - t0:.1f}s)")
+        show_turn(s)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="agentmem demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", default=None, help="where to keep the demo's memory (default: a new temp dir)")
+    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--phase", choices=["1", "2"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.phase == "1":
+        phase_one(args.data_dir, args.max_tokens)
+        return 0
+    if args.phase == "2":
+        phase_two(args.data_dir, args.max_tokens)
+        return 0
+    data_dir = args.data_dir or tempfile.mkdtemp(prefix="agentmem-demo-")
+    print(f"demo memory lives in {data_dir}")
+    for phase in ("1", "2"):
+        cmd = [sys.executable, "-m", "agentmem.cli", "demo", "--phase", phase, "--data-dir", data_dir,
+               "--max-tokens", str(args.max_tokens)]
+        rc = subprocess.call(cmd)
+        if rc:
+            return rc
+    return 0

@@ -1,0 +1,105 @@
+"""Optional MemGPT-style memory tools, for models able to call them.
+
+The default path manages memory automatically (a 135M model cannot call tools reliably).
+For a model that can, `generate_tool_call` decodes a call under a constraint: the JSON
+skeleton is fixed text, the tool name is picked by the model's likelihood among the known
+names, and only the string arguments are generated (ending at a quote). The result always
+parses and always names a real tool with all of its arguments; `run_tool` executes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .records import InvalidInput
+from .store import MemoryStore
+
+# tool -> its string arguments, in order
+TOOLS: dict[str, tuple[str, ...]] = {
+    "core_memory_append": ("label", "content"),
+    "core_memory_replace": ("label", "old_content", "new_content"),
+    "archival_memory_insert": ("content",),
+    "archival_memory_search": ("query",),
+    "conversation_search": ("query",),
+}
+TOOL_PROMPT = ("You can call one memory tool by answering with JSON "
+               '{"tool": NAME, "args": {...}}. Tools: '
+               + "; ".join(f"{name}({', '.join(args)})" for name, args in TOOLS.items()) + ".")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    args: dict[str, str]
+
+    def to_json(self) -> str:
+        return json.dumps({"tool": self.name, "args": self.args})
+
+
+def parse_tool_call(text: str) -> ToolCall:
+    """Strictly validate a tool call written as JSON."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"tool call is not JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"tool", "args"}:
+        raise InvalidInput('a tool call is {"tool": NAME, "args": {...}}')
+    name, args = doc["tool"], doc["args"]
+    if name not in TOOLS:
+        raise InvalidInput(f"unknown tool {name!r}; expected one of {sorted(TOOLS)}")
+    if not isinstance(args, dict) or set(args) != set(TOOLS[name]):
+        raise InvalidInput(f"{name} takes arguments {TOOLS[name]}")
+    if not all(isinstance(v, str) for v in args.values()):
+        raise InvalidInput("tool arguments must be strings")
+    return ToolCall(name, dict(args))
+
+
+def run_tool(store: MemoryStore, tenant_id: str, user_id: str, session_id: str, call: ToolCall) -> str:
+    """Execute a call against the memory; the text result is what the model would see next."""
+    a = call.args
+    if call.name in ("core_memory_append", "core_memory_replace"):
+        blocks = {b.label: b.value for b in store.core_blocks(tenant_id, user_id)}
+        old = blocks.get(a["label"], "")
+        if call.name == "core_memory_append":
+            new = (old + "\n" + a["content"]).strip()
+        else:
+            if not a["old_content"] or a["old_content"] not in old:
+                raise InvalidInput(f"{a['old_content']!r} is not in block {a['label']!r}")
+            new = old.replace(a["old_content"], a["new_content"])
+        store.set_core_block(tenant_id, user_id, a["label"], new)
+        return f"block {a['label']} updated"
+    if call.name == "archival_memory_insert":
+        m = store.add_memory(tenant_id, user_id, a["content"], kind="fact")
+        return f"stored memory {m.id}"
+    hits = store.search(tenant_id, user_id, a["query"], k=5)
+    if call.name == "conversation_search":
+        hits = [h for h in hits if h.kind == "message"]
+    return "\n".join(f"- {h.time:%Y-%m-%d} {h.text}" for h in hits) or "no results"
+
+
+@torch.inference_mode()
+def _name_logprob(engine, prefix_ids: list[int], name_ids: list[int]) -> float:
+    """Mean per-token log-probability, so longer names are not penalised for their length."""
+    logits = engine.logits(prefix_ids + name_ids).float()
+    logp = torch.log_softmax(logits[len(prefix_ids) - 1: -1], dim=-1)
+    return float(logp[torch.arange(len(name_ids)), torch.tensor(name_ids)].mean())
+
+
+def generate_tool_call(engine, prompt: str, max_arg_tokens: int = 48) -> ToolCall:
+    """Decode a tool call for `prompt` (chat text ending in the generation prefix) under the
+    JSON constraint described above."""
+    text = prompt + '{"tool": "'
+    prefix = engine.encode(text)
+    name = max(TOOLS, key=lambda n: _name_logprob(engine, prefix, engine.encode(n + '"')))
+    text += name + '", "args": {'
+    args: dict[str, str] = {}
+    for i, arg in enumerate(TOOLS[name]):
+        text += (", " if i else "") + f'"{arg}": "'
+        value = engine.generate(text, max_tokens=max_arg_tokens, stop=['"', "\n"]).text
+        value = value.replace("\\", "").strip() or "-"
+        args[arg] = value
+        text += json.dumps(value)[1:]
+    return parse_tool_call(json.dumps({"tool": name, "args": args}))
