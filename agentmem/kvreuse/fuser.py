@@ -1,0 +1,167 @@
+"""The CacheBlend fuser: one prefill that places cached chunk KV at its new positions and
+recomputes only what it must.
+
+Modes:
+- `full`: every token runs through every layer (plain prefill; the baseline).
+- `reuse`: cached KV is re-rotated to its positions and used as is; only uncached tokens
+  (and the last token, whose logits are needed) run.
+- `blend`: layers 0..check_layer run every token after the exact prefix; at the check layer
+  the cached tokens whose recomputed K (or V) deviates most from the cached one are picked
+  (the top `ratio` of them), plus every uncached token and the last token; later layers run
+  only those and scatter their K/V over the cached K/V.
+
+Attention is exact and causal by position (query at p sees keys at <= p). With ratio 1.0
+every token runs every layer, in the same calls `full` makes, so the logits are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.kernels import rope, selected_attention
+from ..engine.model import Transformer
+from ..engine.model_runner import attend_chunk
+from .store import ChunkKV
+
+MODES = ("full", "reuse", "blend")
+METRICS = ("k", "v", "kv")
+
+
+@dataclass
+class Piece:
+    """A run of prompt tokens [start, start + n) and the cached KV to place there (None:
+    compute it). `exact` pieces (a prefix computed after exactly these tokens) are never
+    recomputed; they must come first."""
+
+    start: int
+    n: int
+    kv: ChunkKV | None = None
+    exact: bool = False
+
+
+@dataclass
+class Fused:
+    k: torch.Tensor  # [L, T, KV, hd], rotated at positions 0..T-1
+    v: torch.Tensor
+    last_logits: torch.Tensor  # [V] fp32
+    ran: torch.Tensor  # bool [T]: tokens computed at every layer (recomputed or prefilled)
+    new_k_raw: torch.Tensor | None  # [L, n_new, KV, hd]: K before RoPE of the uncached tokens
+    new_idx: torch.Tensor  # their positions
+
+
+def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate pre-RoPE K [L, n, KV, hd] of every layer to `positions` [n] in one call: the
+    Triton kernel on CUDA, on the CPU the model's own tables (bit-identical to its forward)."""
+    layers, n, kv_heads, hd = k.shape
+    x = k.transpose(0, 1).reshape(n, layers * kv_heads, hd)
+    if x.is_cuda:
+        x = rope(x, positions, model.rotary.inv_freq)
+    else:
+        x = model.rotary.apply(x, positions)
+    return x.view(n, layers, kv_heads, hd).transpose(0, 1)
+
+
+def _deviation(old_k, old_v, new_k, new_v, metric: str) -> torch.Tensor:
+    dev = torch.zeros(new_k.shape[0], device=new_k.device)
+    if metric in ("k", "kv"):
+        dev += (new_k.float() - old_k.float()).square().sum((1, 2))
+    if metric in ("v", "kv"):
+        dev += (new_v.float() - old_v.float()).square().sum((1, 2))
+    return dev
+
+
+@torch.inference_mode()
+def fuse(
+    model: Transformer,
+    ids: list[int],
+    pieces: list[Piece],
+    mode: str = "blend",
+    ratio: float = 0.15,
+    check_layer: int = 1,
+    metric: str = "k",
+    keep_raw: bool = False,
+) -> Fused:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    a = model.args
+    dev = model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    n_tok = len(ids)
+    pos = torch.arange(n_tok, device=dev)
+    k_all = torch.empty(a.n_layers, n_tok, a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
+    v_all = torch.empty_like(k_all)
+    cached = torch.zeros(n_tok, dtype=torch.bool, device=dev)
+    prefix = 0
+    for p in pieces if mode != "full" else []:
+        if p.kv is None:
+            continue
+        sl = slice(p.start, p.start + p.n)
+        k_all[:, sl] = place_k(model, p.kv.k.to(dev, dtype), pos[sl])
+        v_all[:, sl] = p.kv.v.to(dev, dtype)
+        if p.exact:
+            if p.start != prefix:
+                raise ValueError("exact pieces must form a prefix of the prompt")
+            prefix = p.start + p.n
+        else:
+            cached[sl] = True
+    if prefix >= n_tok:  # the last token must run to give logits
+        prefix = n_tok - 1
+        cached[prefix:] = False
+    new = ~cached
+    new[:prefix] = False
+    new_idx = new.nonzero()[:, 0]
+    cached_idx = cached.nonzero()[:, 0]
+    last = torch.tensor([n_tok - 1], device=dev)
+
+    if mode == "reuse":
+        rows, start = torch.unique(torch.cat([new_idx, last])), None
+    else:
+        rows, start = pos[prefix:], prefix
+    check = check_layer if mode == "blend" and len(cached_idx) else None
+    ids_t = torch.tensor(ids, device=dev)
+    h = model.embed_tokens(ids_t[rows])
+    new_k_raw = (torch.empty(a.n_layers, len(new_idx), a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
+                 if keep_raw else None)
+    new_rows = torch.searchsorted(rows, new_idx)
+    picked: list[torch.Tensor] = []
+
+    for i, layer in enumerate(model.layers):
+        q_pos = pos[rows]
+
+        def attn(idx, q, k_raw, k_rot, v, rows=rows, start=start, q_pos=q_pos, new_rows=new_rows):
+            k_l, v_l = k_all[idx], v_all[idx]
+            if idx == check:
+                crow = torch.searchsorted(rows, cached_idx)
+                d = _deviation(k_l[cached_idx], v_l[cached_idx], k_rot[crow], v[crow], metric)
+                n_pick = min(len(cached_idx), math.ceil(ratio * len(cached_idx) - 1e-9))
+                picked.append(cached_idx[d.topk(n_pick).indices])
+            if start is not None:
+                k_l[start:] = k_rot
+                v_l[start:] = v
+            else:
+                k_l.index_copy_(0, rows, k_rot)
+                v_l.index_copy_(0, rows, v)
+            if new_k_raw is not None:
+                new_k_raw[idx] = k_raw[new_rows]
+            if start is not None:
+                return attend_chunk(q, k_l, v_l, start)
+            return selected_attention(q, k_l, v_l, q_pos, pos)
+
+        h = layer(h, q_pos, model.rotary, attn, model.rotary.cos_sin(q_pos))
+        if i == check and i + 1 < a.n_layers:
+            sel = torch.unique(torch.cat([picked[0], new_idx, last]))
+            h = h[torch.searchsorted(rows, sel)]
+            rows, start = sel, None
+            if len(sel) == n_tok - prefix:  # everything picked: the contiguous path again
+                start = prefix
+            new_rows = torch.searchsorted(rows, new_idx)
+    ran = torch.zeros(n_tok, dtype=torch.bool, device=dev)
+    ran[rows] = True
+    return Fused(k_all, v_all, model.logits(h[-1:])[0], ran, new_k_raw, new_idx)

@@ -1,0 +1,166 @@
+"""ChunkReuse: the engine's prefill planner. It looks each segment up in the chunk store,
+fuses the cached KV into one prefill (see fuser), and stores the KV of new segments after
+the turn, so no memory is prefilled twice.
+
+A segment is used as is when its entry was computed exactly after the same preceding
+segments (prefix reuse); otherwise its cached KV is re-rotated and, in `blend` mode,
+partly recomputed. New segments are stored with the context they were computed in when
+that computation was exact (every segment before them exact too), else as approximations
+that are only ever blended.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..engine.engine import Engine, PrefillResult, Segment
+from .fuser import METRICS, MODES, Fused, Piece, fuse
+from .identity import ROOT_CONTEXT, chunk_key, next_context
+from .store import ChunkKV, ChunkStore
+
+
+def store_from_config(config: Config, device: torch.device) -> ChunkStore:
+    tiers: list[tuple[torch.device | str, int]] = []
+    if device.type == "cuda":
+        tiers.append((device, config.kv_gpu_bytes))
+    tiers.append(("cpu", config.kv_ram_bytes))
+    disk = config.kv_disk_dir or Path(config.cache_dir) / "chunks"
+    return ChunkStore(tiers, disk, config.kv_disk_bytes)
+
+
+class ChunkReuse:
+    """Chunk-KV reuse for one engine. Call it as the engine's prefill planner."""
+
+    def __init__(self, engine: Engine, config: Config | None = None, store: ChunkStore | None = None):
+        cfg = config or engine.config
+        if cfg.kv_mode not in MODES:
+            raise ValueError(f"kv_mode must be one of {MODES}, got {cfg.kv_mode!r}")
+        if cfg.blend_metric not in METRICS:
+            raise ValueError(f"blend_metric must be one of {METRICS}, got {cfg.blend_metric!r}")
+        self.engine = engine
+        self.mode = cfg.kv_mode
+        self.ratio = cfg.blend_ratio
+        self.check_layer = cfg.blend_check_layer
+        self.metric = cfg.blend_metric
+        self.store = store if store is not None else store_from_config(cfg, engine.device)
+        self._anchor: ChunkKV | None = None
+        self._anchor_ids: list[int] = []
+
+    def _key(self, ids: list[int], namespace: str) -> str:
+        e = self.engine
+        return chunk_key(e.model_id, e.dtype, ids, namespace)
+
+    # --- the planner -----------------------------------------------------------------------
+    def __call__(self, engine: Engine, parts: list[tuple[list[int], bool, Segment]]) -> PrefillResult:
+        return self.plan(parts)
+
+    def plan(
+        self,
+        parts: list[tuple[list[int], bool, Segment]],
+        mode: str | None = None,
+        ratio: float | None = None,
+        store: bool = True,
+    ) -> PrefillResult:
+        """Prefill tokenized segments (as `Engine.tokenize_prompt` gives them). `mode` and
+        `ratio` override the configured ones (the benchmark compares modes this way);
+        `store=False` leaves the store as it was (no new entries, no counters)."""
+        mode = mode or self.mode
+        ratio = self.ratio if ratio is None else ratio
+        ids = [t for p in parts for t in p[0]]
+        pieces, keys, how = [], [], []
+        context, exact_so_far, start = ROOT_CONTEXT, True, 0
+        for seg_ids, cacheable, seg in parts:
+            n = len(seg_ids)
+            key = self._key(seg_ids, seg.namespace) if cacheable and n else None
+            kv = None
+            if key is not None and mode != "full":
+                kv = self.store.get(key, count=store)
+                if kv is not None and (kv.k.shape[1] != n or kv.k.shape[0] != self.engine.model.args.n_layers):
+                    kv = None
+            exact = kv is not None and exact_so_far and kv.context == context
+            exact_so_far = exact or (exact_so_far and kv is None and mode != "full")
+            pieces.append(Piece(start, n, kv, exact))
+            keys.append((key, context if exact_so_far else None))
+            how.append("reused" if exact or (kv is not None and mode == "reuse")
+                       else "blended" if kv is not None else "prefilled")
+            context = next_context(context, seg_ids)
+            start += n
+        fused = fuse(self.engine.model, ids, pieces, mode, ratio, self.check_layer, self.metric,
+                     keep_raw=store and mode != "full")
+        ran = fused.ran.tolist()
+        segments, reused, recomputed, prefilled = [], 0, 0, 0
+        for (_, _, seg), p, h in zip(parts, pieces, how, strict=True):
+            n_ran = sum(ran[p.start : p.start + p.n])
+            if p.kv is None:
+                prefilled += p.n
+                info = {"tokens": p.n, "how": "prefilled", "recomputed": 0}
+            else:
+                recomputed += n_ran
+                reused += p.n - n_ran
+                info = {"tokens": p.n, "how": h, "recomputed": n_ran}
+            segments.append(info | {"tier": seg.tier, "ref": seg.ref})
+        if store and mode != "full":
+            self._store_new(parts, pieces, keys, fused)
+        return PrefillResult(list(fused.k.unbind(0)), list(fused.v.unbind(0)), fused.last_logits,
+                             reused=reused, recomputed=recomputed, prefilled=prefilled, segments=segments)
+
+    def _store_new(self, parts, pieces: list[Piece], keys, fused: Fused) -> None:
+        offset = 0  # into fused.new_k_raw: uncached tokens in prompt order
+        for (_, _, seg), p, (key, context) in zip(parts, pieces, keys, strict=True):
+            if p.kv is not None:
+                continue
+            if key is not None:
+                k = fused.new_k_raw[:, offset : offset + p.n].clone()
+                v = fused.v[:, p.start : p.start + p.n].clone()
+                self.store.put(key, seg.namespace, ChunkKV(k, v, context))
+            offset += p.n
+
+    # --- the public surface ----------------------------------------------------------------
+    def precompute(self, segments: list[Segment]) -> int:
+        """Compute and store the KV of every cacheable segment not yet cached (each in its own
+        Segment.namespace); return how many tokens were computed. Each chunk is computed right
+        after the chat format's system opener, so its first tokens see the same attention
+        sink they will see inside a real prompt."""
+        e = self.engine
+        anchor_ids = e.encode(e.chat.wraps["system"][0])
+        if self._anchor is None or self._anchor_ids != anchor_ids:
+            fused = fuse(e.model, anchor_ids, [Piece(0, len(anchor_ids))], "full", keep_raw=True)
+            self._anchor, self._anchor_ids = ChunkKV(fused.new_k_raw, fused.v), anchor_ids
+        done, n_anchor = 0, len(anchor_ids)
+        for seg in segments:
+            ids = e.encode(seg.text)
+            if not seg.cacheable or not ids:
+                continue
+            key = self._key(ids, seg.namespace)
+            if key in self.store:
+                continue
+            pieces = [Piece(0, n_anchor, self._anchor, exact=True), Piece(n_anchor, len(ids))]
+            fused = fuse(e.model, anchor_ids + ids, pieces, "blend", keep_raw=True)
+            self.store.put(key, seg.namespace, ChunkKV(fused.new_k_raw.clone(), fused.v[:, n_anchor:].clone()))
+            done += len(ids)
+        return done
+
+    def drop_namespace(self, namespace: str) -> int:
+        """Remove every cached entry of `namespace` (a deleted tenant or user) from every tier."""
+        return self.store.drop_namespace(namespace)
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+
+def enable_chunk_reuse(engine: Engine, config: Config | None = None) -> ChunkReuse:
+    """Install chunk-KV reuse as the engine's prefill planner (once: a second call returns the
+    same object) and set `engine.chunk_reuse`."""
+    reuse = get_reuse(engine)
+    if reuse is None:
+        reuse = ChunkReuse(engine, config)
+        engine.chunk_reuse = reuse
+        engine.set_prefill_planner(reuse)
+    return reuse
+
+
+def get_reuse(engine: Engine) -> ChunkReuse | None:
+    return getattr(engine, "chunk_reuse", None)
