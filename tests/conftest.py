@@ -1,5 +1,6 @@
 """Shared fixtures. The model is loaded once per test session (fp32, so that comparisons
-against the HF oracle are exact to 1e-3); every test that needs a model uses `engine`."""
+against the HF oracle are exact to 1e-3, and kv_mode "full", so no chunk-KV planner is
+installed); every test that needs a model uses `engine`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def engine():
     from agentmem.config import Config
     from agentmem.engine import Engine
 
-    return Engine.load(Config(dtype="float32", device="cpu"))
+    return Engine.load(Config(dtype="float32", device="cpu", kv_mode="full"))  # plain prefill: parity tests
 
 
 @pytest.fixture(scope="session")

@@ -174,7 +174,12 @@ class Engine:
         path = resolve_model_dir(config.model_path, config.cache_dir)
         model = load_transformer(path, dtype, device)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
-        return cls(model, load_tokenizer(path), model_id, device, config)
+        engine = cls(model, load_tokenizer(path), model_id, device, config)
+        if config.kv_mode != "full":
+            from ..kvreuse import enable_chunk_reuse  # lazy: kvreuse builds on the engine
+
+            enable_chunk_reuse(engine, config)
+        return engine
 
     def set_prefill_planner(self, planner: PrefillPlanner | None) -> None:
         self._planner = planner
