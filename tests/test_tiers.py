@@ -29,7 +29,7 @@ def test_migrations_reach_head_and_reopen_is_idempotent(tmp_path, embedder):
     MemoryStore(Config(data_dir=tmp_path), embedder=embedder).close()
     s = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
     with s.archive.engine.connect() as c:
-        assert c.execute(sa.text("select version_num from alembic_version")).scalar() == "0001"
+        assert c.execute(sa.text("select version_num from alembic_version")).scalar() == "0002"
         assert c.execute(sa.text("pragma journal_mode")).scalar() == "wal"
     assert {"messages", "memories", "core_blocks", "turns"} <= set(sa.inspect(s.archive.engine).get_table_names())
 
@@ -223,7 +223,7 @@ def test_postgresql_archive(tmp_path, embedder):
             s.add_messages(a, "alice", sid, [{"role": "user", "content": "nul\x00"}])
         assert s.search(a, "alice", "dog name", k=1)[0].text == "My dog is called Biscuit."
         with s.archive.engine.connect() as c:
-            assert c.execute(sa.text("select version_num from alembic_version")).scalar() == "0001"
+            assert c.execute(sa.text("select version_num from alembic_version")).scalar() == "0002"
     finally:
         s.delete_tenant(a)
         s.delete_tenant(b)

@@ -8,14 +8,14 @@ to the newest Alembic revision when the archive opens.
 
 from __future__ import annotations
 
-import threading
+import fcntl
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, func, select
+from sqlalchemy import create_engine, delete, event, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import records as R
@@ -41,6 +41,7 @@ ROLES = ("system", "user", "assistant", "tool")
 MEMORY_STATUSES = ("active", "superseded")
 DEFAULT_BLOCK_LIMIT = 2000  # characters; MemGPT's default core block size
 _MIGRATIONS = Path(__file__).parent / "migrations"
+_PG_MIGRATION_LOCK = 0x61676D656D  # any constant shared by every agentmem process
 _USER_TABLES = (MessageRow, MemoryRow, SummaryRow, CoreBlockRow, CoreBlockEditRow, TurnRow, SessionRow, AgentRow)
 
 
@@ -72,15 +73,33 @@ def _scope_id(value: str, what: str) -> str:
     return value
 
 
-def migrate(connection) -> None:
-    """Bring the schema to the newest revision (Alembic, on an open connection)."""
+def migrate(connection, revision: str = "head") -> None:
+    """Bring the schema to `revision` (Alembic, on an open connection)."""
     from alembic import command
     from alembic.config import Config as AlembicConfig
 
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
     cfg.attributes["connection"] = connection
-    command.upgrade(cfg, "head")
+    command.upgrade(cfg, revision)
+
+
+@contextmanager
+def _migration_lock(engine) -> Iterator[None]:
+    """Serialise schema upgrades across processes: replicas starting together on one
+    PostgreSQL, or two processes opening a new SQLite file, must not both create the tables.
+    SQLite: a lock file beside the database; PostgreSQL: an advisory lock (held by the
+    migrating transaction itself, see `Archive.__init__`)."""
+    db = engine.url.database
+    if engine.dialect.name != "sqlite" or not db or db == ":memory:" or db.startswith("file:"):
+        yield
+        return
+    with open(f"{db}.migrate-lock", "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class Archive:
@@ -91,8 +110,9 @@ class Archive:
                                     pool_pre_ping=not sqlite)
         if sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._migrate_lock = threading.Lock()
-        with self._migrate_lock, self.engine.begin() as conn:
+        with _migration_lock(self.engine), self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("select pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             migrate(conn)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -236,6 +256,14 @@ class Archive:
         with self.tx() as s:
             return list(s.scalars(select(MessageRow.id).where(MessageRow.tenant_id == tenant_id,
                                                                MessageRow.user_id == user_id)))
+
+    def set_message_compressed(self, tenant_id: str, user_id: str, texts: dict[int, str]) -> None:
+        """Store the compressed text of messages (id -> text), once, in one transaction."""
+        with self.tx() as s:
+            rows = s.scalars(select(MessageRow).where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                                                      MessageRow.id.in_(list(texts))))
+            for row in rows:
+                row.compressed_text = clean_text(texts[row.id], "compressed text")
 
     # --- memories ----------------------------------------------------------------------------
     def add_memory(self, tenant_id: str, user_id: str, text: str, importance: float = 0.5,
@@ -422,7 +450,8 @@ def _importance(value) -> float:
 
 
 def _message(r: MessageRow) -> R.Message:
-    return R.Message(r.id, r.session_id, r.role, r.text, from_db_time(r.created_at), from_db_time(r.event_time))
+    return R.Message(r.id, r.session_id, r.role, r.text, from_db_time(r.created_at), from_db_time(r.event_time),
+                     r.compressed_text)
 
 
 def _memory(r: MemoryRow) -> R.Memory:

@@ -218,8 +218,9 @@ class Recall:
                 continue
             if isinstance(row, Message):
                 score = hybrid_score(sim, when, 0.5, now) * (ASSISTANT_WEIGHT if row.role == "assistant" else 1.0)
-                hits.append(Hit(row.id, "message", chunk_text(row.text)[chunk], score, sim, when, [row.id],
-                                row.role, row.session_id, 0.5, chunk))
+                pieces = chunk_text(row.text)
+                hits.append(Hit(row.id, "message", pieces[chunk], score, sim, when, [row.id], row.role,
+                                row.session_id, 0.5, chunk, row.compressed_text if len(pieces) == 1 else None))
             else:
                 hits.append(Hit(row.id, row.kind, row.text, hybrid_score(sim, when, row.importance, now), sim, when,
                                 list(row.source_ids), importance=row.importance, compressed_text=row.compressed_text))

@@ -61,6 +61,7 @@ class Message(_Record):
     text: str
     created_at: datetime
     event_time: datetime | None = None
+    compressed_text: str | None = None  # LLMLingua-compressed, written once by reflection
 
     @property
     def time(self) -> datetime:

@@ -91,6 +91,7 @@ class MessageRow(Base):
     text: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     event_time: Mapped[datetime | None] = mapped_column(nullable=True)
+    compressed_text: Mapped[str | None] = mapped_column(Text, nullable=True)  # set once by reflection
     __table_args__ = (
         Index("ix_messages_scope", "tenant_id", "user_id", "id"),
         Index("ix_messages_session", "session_id", "id"),
