@@ -5,8 +5,10 @@ metrics, and a short bounded load run."""
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -212,3 +214,106 @@ def test_bounded_concurrent_load_has_no_errors(api):
     lat = sorted(latencies)
     p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
     print(f"\nload: {len(lat)} chats from 4 clients, p50 {p50:.2f} s, p99 {p99:.2f} s")
+
+
+def _concurrent_chats(url: str, key: str, n: int, tag: str) -> list[dict]:
+    out: list[dict] = [{}] * n
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as c:
+            start.wait()
+            r = c.post("/v1/chat/completions", json={"max_tokens": 8, "user": f"{tag}{i}",
+                                                     "messages": [{"role": "user", "content": f"Say {i}."}]})
+            out[i] = {"status": r.status_code, "body": r.json()}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def test_concurrent_chats_share_engine_steps_unless_serial(engine, embedder, tmp_path):
+    """Concurrent turns go through the engine's batching scheduler: 4 of them take fewer
+    forward steps together than one after another (the `serial` server, the bench's peer)."""
+    steps = {}
+    for serial in (False, True):
+        cfg = engine.config.model_copy(update={"data_dir": tmp_path / str(serial), "db_url": None})
+        store = MemoryStore(cfg, embedder=embedder)
+        _, key = create_tenant_with_key(store, "steps")
+        app = create_app(cfg, engine=engine, store=store, limits=Limits(rate_per_minute=0), ui=False, serial=serial)
+        with LocalServer(app) as s:
+            _concurrent_chats(s.url, key, 1, "warm")  # embedder and loop warm, user rows exist
+            before = engine.loop.steps
+            done = _concurrent_chats(s.url, key, 4, "u")
+            steps[serial] = engine.loop.steps - before
+        store.close()
+        assert [d["status"] for d in done] == [200] * 4
+        tokens = sum(d["body"]["usage"]["completion_tokens"] for d in done)
+        if serial:  # one sequence per step: at least one decode step per generated token
+            assert steps[True] >= tokens
+    assert steps[False] < steps[True]
+
+
+class _FakeReuse:
+    def __init__(self):
+        self.dropped: list[str] = []
+
+    def drop_namespace(self, ns: str) -> int:
+        self.dropped.append(ns)
+        return 3
+
+    def stats(self) -> dict:
+        return {"hits": 7, "misses": 3, "evictions": 1, "ram_bytes": 4096, "disk_bytes": 0, "hit_ratio": 0.7}
+
+
+def test_deletes_drop_cached_kv_and_metrics_show_chunk_cache(api, monkeypatch):
+    """Against the kvreuse contract (get_reuse(engine).drop_namespace / .stats), with a fake
+    store standing in for it."""
+    url, _, store = api
+    fake = _FakeReuse()
+    mod = types.ModuleType("agentmem.kvreuse")
+    mod.get_reuse = lambda engine: fake
+    mod.store_from_config = None  # the loaded engine's store is used, never a fresh one
+    monkeypatch.setitem(sys.modules, "agentmem.kvreuse", mod)
+    tid, key = create_tenant_with_key(store, "kvdrop")
+    c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    c.post("/v1/users/zed/memories", json={"text": "Zed rows a boat."}).raise_for_status()
+    assert c.delete("/v1/users/zed").status_code == 200
+    assert fake.dropped == [tid]
+    text = httpx.get(url + "/metrics").text
+    assert "agentmem_kv_chunk_hit_ratio 0.7" in text and "agentmem_kv_chunk_hits_total 7.0" in text
+    assert c.delete("/v1/tenant").status_code == 200
+    assert fake.dropped == [tid, tid]
+
+
+def test_real_chunk_cache_is_dropped_with_its_tenant(embedder, tmp_path):
+    """With chunk reuse on, a user's turns store chunk KV of the tenant (RAM, then disk);
+    deleting the tenant leaves none of it, and /metrics reports the store."""
+    pytest.importorskip("agentmem.kvreuse", reason="agentmem.kvreuse has not landed")
+    from agentmem.engine import Engine
+    from agentmem.kvreuse import get_reuse
+
+    cfg = Config(dtype="float32", device="cpu", kv_mode="blend", data_dir=tmp_path, kv_disk_dir=tmp_path / "chunks",
+                 kv_ram_bytes=2 << 20)  # a small RAM tier: chunks spill to disk too
+    engine = Engine.load(cfg)
+    reuse = get_reuse(engine)
+    store = MemoryStore(cfg, embedder=embedder)
+    tid, key = create_tenant_with_key(store, "kvreal")
+    with LocalServer(create_app(cfg, engine=engine, store=store, limits=Limits(rate_per_minute=0), ui=False)) as s:
+        c = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        c.post("/v1/users/kim/memories", json={"text": "Kim grows tomatoes on her balcony."}).raise_for_status()
+        for q in ("What do I grow?", "Where do I grow it?"):
+            r = c.post("/v1/chat/completions", json={"user": "kim", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": q}]})
+            assert r.status_code == 200, r.text
+        assert r.json()["agentmem"]["reused_tokens"] > 0  # the second turn reused the first's chunks
+        metrics = httpx.get(s.url + "/metrics").text
+        assert "agentmem_kv_chunk_hit_ratio" in metrics and "agentmem_kv_chunk_ram_bytes" in metrics
+        assert reuse.stats()["entries"] > 0 and any((tmp_path / "chunks").rglob("*.kv"))
+        assert c.delete("/v1/tenant").status_code == 200
+    store.close()
+    assert reuse.drop_namespace(tid) == 0  # nothing of the tenant was left to drop
+    assert reuse.stats()["entries"] == 0 and not any((tmp_path / "chunks").rglob("*.kv"))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .auth import create_tenant_with_key, hash_key, new_key
+from .kvcache import drop_cached_kv
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def main(argv: list[str]) -> int:
             _out(args, {"tenants": tenants}, "\n".join(f"{t['id']}  {t['name']}  {t['created_at']}" for t in tenants))
         else:
             store.delete_tenant(args.tenant_id)
+            drop_cached_kv(store.config, None, args.tenant_id)
             _out(args, {"tenant_id": args.tenant_id, "deleted": True}, f"deleted tenant {args.tenant_id}")
     except (NotFound, InvalidInput) as exc:
         print(f"agentmem tenant: {exc}", file=sys.stderr)

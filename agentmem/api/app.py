@@ -18,6 +18,7 @@ from ..config import Config
 from ..tiers.store import MemoryStore
 from . import errors
 from .chat import ChatService
+from .kvcache import chunk_stats, drop_cached_kv
 from .limits import BodyLimit, Limits, RateLimiter
 from .metrics import Metrics
 
@@ -25,16 +26,16 @@ KEY_CACHE_SECONDS = 5.0
 
 
 class Services:
-    def __init__(self, config: Config, engine, store: MemoryStore, limits: Limits):
+    def __init__(self, config: Config, engine, store: MemoryStore, limits: Limits, serial: bool = False):
         self.config = config
         self.store = store
         self.limits = limits
-        self.metrics = Metrics()
+        self.metrics = Metrics(chunk_stats=self.chunk_stats)
         self.rate = RateLimiter(limits.rate_per_minute)
         self._engine = engine
         self._engine_lock = threading.Lock()
         self._keys: dict[str, tuple[str | None, float]] = {}
-        self.chat = ChatService(config, store, self.engine, limits)
+        self.chat = ChatService(config, store, self.engine, limits, serial=serial)
         store.forget_hooks.append(self._forget)
 
     def engine(self):
@@ -60,8 +61,14 @@ class Services:
         self._keys[key_hash] = (tenant, now)
         return tenant
 
+    def chunk_stats(self) -> dict | None:
+        return chunk_stats(self._engine)
+
     def _forget(self, tenant_id: str, user_id: str | None) -> None:
         self.chat.forget(tenant_id, user_id)
+        # chunk KV is namespaced by tenant (users of a tenant share chunks such as the system
+        # prompt), so a deleted user's chunks can only be dropped with their tenant's
+        drop_cached_kv(self.config, self._engine, tenant_id)
         if user_id is None:
             self.metrics.forget_tenant(tenant_id)
             self.rate.forget(tenant_id)
@@ -69,13 +76,14 @@ class Services:
 
 
 def create_app(config: Config | None = None, engine=None, store: MemoryStore | None = None,
-               limits: Limits | None = None, ui: bool = True) -> FastAPI:
+               limits: Limits | None = None, ui: bool = True, serial: bool = False) -> FastAPI:
+    """The service. `serial=True` answers one chat at a time (the benchmark's peer)."""
     from .chat_routes import router as chat_router
     from .memory_routes import router as memory_router
 
     config = config or Config()
     store = store or MemoryStore(config)
-    services = Services(config, engine, store, limits or Limits())
+    services = Services(config, engine, store, limits or Limits(), serial=serial)
     app = FastAPI(title="agentmem", version="0.1.0",
                   description="Long-term memory for chat assistants, OpenAI-compatible, multi-tenant.")
     app.state.services = services

@@ -6,10 +6,14 @@ start a new session). Without a `user` the request is stateless: its messages ar
 prompt, as with any OpenAI-compatible server. Either way generation goes through the
 engine's batching scheduler; the only lock is per session, so two turns of one
 conversation cannot interleave while different conversations run together.
+
+`serial=True` is the benchmark's peer: one lock around every turn, so the server answers
+one request at a time, as a server without a batching engine would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -69,13 +73,15 @@ def _finish(reason: str) -> str:
 
 
 class ChatService:
-    def __init__(self, config: Config, store, engine_getter: Callable[[], object], limits: Limits):
+    def __init__(self, config: Config, store, engine_getter: Callable[[], object], limits: Limits,
+                 serial: bool = False):
         self.config = config
         self.store = store
         self.engine = engine_getter
         self.limits = limits
         self._open: OrderedDict[tuple[str, str, str], _Open] = OrderedDict()
         self._lock = threading.Lock()
+        self._serial = threading.Lock() if serial else None
 
     # --- validation ----------------------------------------------------------------------
     def check(self, req: ChatCompletionRequest) -> int:
@@ -133,18 +139,27 @@ class ChatService:
             return self._stateless(tenant_id, req, max_tokens)
         return self._remembered(tenant_id, req, max_tokens)
 
+    def _one_at_a_time(self):
+        return self._serial if self._serial is not None else contextlib.nullcontext()
+
     def _stateless(self, tenant_id: str, req, max_tokens: int):
         engine = self.engine()
         segments = [replace(s, namespace=tenant_id) for s in
                     engine.chat_segments([{"role": m.role, "content": m.text()} for m in req.messages])]
-        stream = engine.stream(segments, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                               stop=req.stops(), seed=req.seed)
+        done: dict[str, TurnResult] = {}
 
-        def result() -> TurnResult:
-            g = stream.result
-            return _from_stats(g.stats, g.text, None, [])
+        def pieces() -> Iterator[str]:
+            with self._one_at_a_time():
+                stream = engine.stream(segments, max_tokens=max_tokens, temperature=req.temperature,
+                                       top_p=req.top_p, stop=req.stops(), seed=req.seed)
+                try:
+                    yield from stream
+                finally:
+                    stream.close()
+                g = stream.result
+                done["r"] = _from_stats(g.stats, g.text, None, [])
 
-        return stream, result
+        return pieces(), lambda: done["r"]
 
     def _remembered(self, tenant_id: str, req, max_tokens: int):
         opened, new = self._session(tenant_id, req)
@@ -156,7 +171,7 @@ class ChatService:
         done: dict[str, TurnResult] = {}
 
         def pieces() -> Iterator[str]:
-            with opened.lock:
+            with opened.lock, self._one_at_a_time():
                 if new and earlier:
                     session.add_messages(earlier)
                 out = session.chat(text, stream=True, max_tokens=max_tokens, temperature=req.temperature)

@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="largest max_tokens a request may ask")
     p.add_argument("--rate-limit", type=float, default=d.rate_per_minute,
                    help="requests per minute per tenant (0: unlimited)")
+    p.add_argument("--serial", action="store_true",
+                   help="answer one chat at a time instead of batching (the peer of `agentmem bench serve`)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the inspector page at /ui")
     p.add_argument("--log-level", default="info")
     return p
@@ -58,6 +60,6 @@ def main(argv: list[str]) -> int:
         from ..engine import Engine
 
         engine = Engine.load(config)
-    app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui)
+    app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui, serial=args.serial)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

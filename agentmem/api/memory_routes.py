@@ -17,6 +17,7 @@ from .schemas import ContextIn, CoreBlockIn, MemoryIn, MemoryPatch, MessagesIn, 
 router = APIRouter(prefix="/v1", tags=["memory"])
 
 UserId = Path(min_length=1, max_length=128, description="the user id, as given in chat `user`")
+MemoryId = Path(ge=1, le=2**63 - 1, description="a memory id (from listing or adding memories)")
 MAX_LIST = 10_000
 
 
@@ -76,13 +77,14 @@ def add_memory(body: MemoryIn, user_id: str = UserId, who: Caller = Depends(call
 
 
 @router.get("/users/{user_id}/memories/{memory_id}")
-def get_memory(memory_id: int, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+def get_memory(memory_id: int = MemoryId, user_id: str = UserId, who: Caller = Depends(caller),
+               svc=Depends(services)) -> dict:
     return svc.store.get_memory(who.tenant_id, user_id, memory_id).to_dict()
 
 
 @router.patch("/users/{user_id}/memories/{memory_id}")
-def update_memory(memory_id: int, body: MemoryPatch, user_id: str = UserId, who: Caller = Depends(caller),
-                  svc=Depends(services)) -> dict:
+def update_memory(body: MemoryPatch, memory_id: int = MemoryId, user_id: str = UserId,
+                  who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """Correct a memory's text (its compressed form is dropped) or importance."""
     if body.text is not None:
         _check_len(svc, body.text, "text")
@@ -91,7 +93,8 @@ def update_memory(memory_id: int, body: MemoryPatch, user_id: str = UserId, who:
 
 
 @router.delete("/users/{user_id}/memories/{memory_id}")
-def delete_memory(memory_id: int, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+def delete_memory(memory_id: int = MemoryId, user_id: str = UserId, who: Caller = Depends(caller),
+                  svc=Depends(services)) -> dict:
     svc.store.delete_memory(who.tenant_id, user_id, memory_id)
     return {"id": memory_id, "deleted": True}
 

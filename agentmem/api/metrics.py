@@ -1,21 +1,48 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process, as in tests,
 never share counters). Cache hit ratio is kept as two counters (reused and prompt tokens),
 so any time window's ratio is `rate(reused) / rate(prompt)`; the gauge shows the lifetime
-value. A short in-memory series per tenant feeds the inspector's chart."""
+value. A short in-memory series per tenant feeds the inspector's chart. The chunk-KV store's
+own counters (hits, misses, evictions, bytes in RAM and on disk) are read when scraped."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 SERIES_POINTS = 500
+COUNTED = ("hits", "misses", "evictions")
+
+
+class ChunkCacheCollector:
+    """Exports `stats()` of the chunk-KV store ({hits, misses, evictions, ram_bytes,
+    disk_bytes, hit_ratio}) at scrape time; nothing while there is no store."""
+
+    def __init__(self, stats: Callable[[], dict | None]):
+        self.stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.stats()
+        if not st:
+            return
+        for name, value in st.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if name in COUNTED:
+                yield CounterMetricFamily(f"agentmem_kv_chunk_{name}", f"chunk-KV store {name}", value=value)
+            else:
+                yield GaugeMetricFamily(f"agentmem_kv_chunk_{name}", f"chunk-KV store {name}", value=value)
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, chunk_stats: Callable[[], dict | None] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("agentmem_requests_total", "HTTP requests", ["method", "route", "status"], registry=r)
@@ -31,6 +58,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._prompt = self._reused = 0
         self._series: dict[str, deque] = {}
+        if chunk_stats is not None:
+            r.register(ChunkCacheCollector(chunk_stats))
 
     def observe_generation(self, tenant_id: str, prompt: int, completion: int, reused: int, ttft_s: float) -> None:
         self.prompt_tokens.inc(prompt)

@@ -1,0 +1,206 @@
+"""`agentmem bench serve`: the REST service under 1, 4 and 16 concurrent clients.
+
+Each level runs a fixed number of chat turns per client (every client is its own user, so
+every turn recalls memory and is stored, as in real use) against a real `agentmem serve`
+process on loopback, and reports throughput, p50/p99 latency and errors. The peer, measured
+in the same run on the same workload, is the same server started with `--serial`: one
+request at a time, as a server without a batching engine answers. The speedup per level is
+batched throughput over serial throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from .local import free_port
+
+QUESTIONS = (
+    "I just adopted a dog called Pepper. Any tips for the first week?",
+    "What should I cook tonight with rice and beans?",
+    "Remind me what my dog is called.",
+    "Give me one idea for a weekend trip.",
+    "Summarise what you know about me in one sentence.",
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentmem bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print only the JSON result line")
+    p.add_argument("--quick", action="store_true", help="smoke size: levels 1,4, one turn per client, 4 tokens")
+    p.add_argument("--levels", default="1,4,16", help="concurrent clients per level, comma-separated")
+    p.add_argument("--requests", type=int, default=3, help="chat turns per client per level")
+    p.add_argument("--max-tokens", type=int, default=16, help="reply tokens per turn")
+    p.add_argument("--stateless", action="store_true", help="chat without `user` (no memory), prompt only")
+    p.add_argument("--dtype", help="server dtype: auto | float32 | bfloat16")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take")
+    return p
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (0.0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def measure(url: str, key: str, clients: int, requests: int, max_tokens: int, prefix: str,
+            stateless: bool = False, timeout: float = 900.0) -> dict:
+    """`clients` threads, each sending `requests` chat turns back to back, all starting
+    together; latency is per request, throughput over the whole level's wall time."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    tokens = [0]
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout) as c:
+            start.wait()
+            for n in range(requests):
+                body = {"model": "agentmem", "max_tokens": max_tokens,
+                        "messages": [{"role": "user", "content": QUESTIONS[(i + n) % len(QUESTIONS)]}]}
+                if not stateless:
+                    body["user"] = f"{prefix}-{clients}-{i}"
+                t = time.perf_counter()
+                try:
+                    r = c.post("/v1/chat/completions", json=body)
+                    ok = r.status_code == 200
+                    detail = "" if ok else f"{r.status_code} {r.text[:200]}"
+                except httpx.HTTPError as exc:
+                    ok, detail = False, repr(exc)
+                took = time.perf_counter() - t
+                with lock:
+                    if ok:
+                        latencies.append(took)
+                        tokens[0] += r.json()["usage"]["completion_tokens"]
+                    else:
+                        errors.append(detail)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+    return {"clients": clients, "requests": len(lat) + len(errors), "errors": len(errors),
+            "throughput_req_s": round(len(lat) / wall, 4), "p50_s": round(percentile(lat, 0.5), 4),
+            "p99_s": round(percentile(lat, 0.99), 4), "tokens_s": round(tokens[0] / wall, 2),
+            "wall_s": round(wall, 3), "error_samples": errors[:3]}
+
+
+@contextmanager
+def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
+    """A real `agentmem serve` process on a free loopback port; yields its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "agentmem.cli", "serve", "--data-dir", str(data_dir), "--port", str(port),
+           "--rate-limit", "0", "--no-ui", "--preload", "--log-level", "warning", "--max-tokens", str(max_tokens)]
+    if serial:
+        cmd.append("--serial")
+    if dtype:
+        cmd += ["--dtype", dtype]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"agentmem serve exited: {log.read().decode()[-2000:]}")
+                try:
+                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("agentmem serve did not come up in 300 s")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_mode(root: Path, mode: str, levels: list[int], args) -> tuple[list[dict], str]:
+    """All levels against one fresh server (its own data dir and tenant)."""
+    from ..config import Config
+    from ..tiers.store import MemoryStore
+    from .auth import create_tenant_with_key
+
+    data = root / mode
+    store = MemoryStore(Config(data_dir=data))
+    _, key = create_tenant_with_key(store, f"bench-{mode}")
+    store.close()
+    with server(data, mode == "serial", args.max_tokens, args.dtype) as url:
+        headers = {"Authorization": f"Bearer {key}"}
+        model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        # first turn loads the embedder and starts the engine loop: not measured
+        warm = measure(url, key, 1, 1, args.max_tokens, f"{mode}-warm", args.stateless, args.timeout)
+        if warm["errors"]:
+            raise RuntimeError(f"warm-up request failed: {warm['error_samples']}")
+        out = []
+        for n in levels:
+            out.append(measure(url, key, n, args.requests, args.max_tokens, mode, args.stateless, args.timeout))
+            if not args.json:
+                r = out[-1]
+                print(f"  {mode:<8} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
+                      f"p99 {r['p99_s']:.2f} s, {r['errors']} errors", file=sys.stderr, flush=True)
+    return out, model
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.levels, args.requests, args.max_tokens = "1,4", 1, 4
+    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
+        print("agentmem bench serve: levels, --requests and --max-tokens must be positive", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="agentmem-bench-serve-") as tmp:
+        batched, model = run_mode(Path(tmp), "batched", levels, args)
+        serial, _ = run_mode(Path(tmp), "serial", levels, args)
+    rows = []
+    for b, s in zip(batched, serial, strict=True):
+        speedup = b["throughput_req_s"] / s["throughput_req_s"] if s["throughput_req_s"] else 0.0
+        rows.append({**b, "serial": s, "speedup": round(speedup, 3)})
+    result = {
+        "bench": "serve",
+        "model": model,
+        "workload": "stateless chat" if args.stateless else "chat turns with memory (one user per client)",
+        "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens,
+        "peer": "the same server with --serial (one request at a time)",
+        "levels": rows,
+        "speedup": rows[-1]["speedup"],
+        "errors": sum(r["errors"] + r["serial"]["errors"] for r in rows),
+    }
+    if not args.json:
+        for r in rows:
+            print(f"{r['clients']:>3} clients: batched {r['throughput_req_s']:.3f} req/s vs serial "
+                  f"{r['serial']['throughput_req_s']:.3f} req/s -> {r['speedup']:.2f}x", file=sys.stderr)
+    print(json.dumps(result))
+    return 0 if result["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
