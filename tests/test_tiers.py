@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from agentmem.config import Config
-from agentmem.tiers import InvalidInput, MemoryStore, NotFound
+from agentmem.tiers import Archive, InvalidInput, MemoryStore, NotFound
 
 
 @pytest.fixture
@@ -205,12 +205,114 @@ def test_api_keys(store):
         store.add_api_key("missing", "hash2")
 
 
+def _compare_with_models(engine) -> list:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from agentmem.tiers.schema import Base
+
+    with engine.connect() as c:
+        return compare_metadata(MigrationContext.configure(c), Base.metadata)
+
+
+def _open_together(url: str, n: int = 4) -> list:
+    """Open `n` archives on one new database at once (replicas starting together)."""
+    archives, errors = [], []
+
+    def open_one():
+        try:
+            archives.append(Archive(url))
+        except Exception as e:  # noqa: BLE001 - surfaced by the caller's assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a in archives:
+        a.close()
+    return errors
+
+
+def test_migrations_create_exactly_the_models_schema(tmp_path):
+    a = Archive(f"sqlite:///{tmp_path / 'm.db'}")
+    assert _compare_with_models(a.engine) == []
+    a.close()
+
+
+def test_processes_opening_a_new_archive_together_migrate_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'together.db'}"
+    assert _open_together(url) == []
+    with sa.create_engine(url).connect() as c:
+        assert c.execute(sa.text("select count(*) from alembic_version")).scalar() == 1
+
+
 PG_URL = os.environ.get("AGENTMEM_TEST_PG_URL")
+needs_pg = pytest.mark.skipif(not PG_URL, reason="AGENTMEM_TEST_PG_URL is unset: set it to a PostgreSQL URL "
+                                                 "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test) to run")
 
 
-@pytest.mark.skipif(not PG_URL, reason="AGENTMEM_TEST_PG_URL is unset: set it to a PostgreSQL URL to run this test")
-def test_postgresql_archive(tmp_path, embedder):
-    s = MemoryStore(Config(data_dir=tmp_path, db_url=PG_URL), embedder=embedder)
+@pytest.fixture
+def pg_url():
+    """A fresh, empty PostgreSQL schema of its own (other tests may share the database)."""
+    schema = f"agentmem_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL)
+    with admin.begin() as c:
+        c.execute(sa.text(f"create schema {schema}"))
+    yield sa.engine.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(False)
+    with admin.begin() as c:
+        c.execute(sa.text(f"drop schema {schema} cascade"))
+    admin.dispose()
+
+
+def _upgrade_keeps_rows(url: str) -> None:
+    """0001 with a message in it, then upgrade to head: the row survives the new column;
+    downgrade to base drops every table; upgrade again matches the models."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    from agentmem.tiers.archive import _MIGRATIONS, migrate
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    engine = sa.create_engine(url)
+    with engine.begin() as c:
+        migrate(c, "0001")
+        c.execute(sa.text("insert into messages (tenant_id, user_id, session_id, role, text, created_at) "
+                          "values ('t', 'u', 's', 'user', 'kept across upgrades', :now)"), {"now": datetime.now()})
+    with engine.begin() as c:
+        migrate(c)
+        assert c.execute(sa.text("select text, compressed_text from messages")).one() == ("kept across upgrades", None)
+    assert _compare_with_models(engine) == []
+    with engine.begin() as c:
+        cfg.attributes["connection"] = c
+        command.downgrade(cfg, "base")
+    assert set(sa.inspect(engine).get_table_names()) <= {"alembic_version"}
+    with engine.begin() as c:
+        migrate(c)
+    assert _compare_with_models(engine) == []
+    engine.dispose()
+
+
+def test_migration_upgrade_keeps_rows_sqlite(tmp_path):
+    _upgrade_keeps_rows(f"sqlite:///{tmp_path / 'up.db'}")
+
+
+@needs_pg
+def test_postgresql_migrations_upgrade_and_concurrent_start(pg_url, tmp_path):
+    _upgrade_keeps_rows(pg_url)
+    with sa.create_engine(pg_url).begin() as c:
+        for table in sa.inspect(c).get_table_names():
+            c.execute(sa.text(f"drop table {table} cascade"))
+    assert _open_together(pg_url) == []
+    with sa.create_engine(pg_url).connect() as c:
+        assert c.execute(sa.text("select count(*) from alembic_version")).scalar() == 1
+
+
+@needs_pg
+def test_postgresql_archive(tmp_path, embedder, pg_url):
+    s = MemoryStore(Config(data_dir=tmp_path, db_url=pg_url), embedder=embedder)
     a, b = s.create_tenant(f"pg-{uuid.uuid4().hex[:8]}"), s.create_tenant("pg-other")
     try:
         sid = s.open_session(a, "alice").id
@@ -222,8 +324,12 @@ def test_postgresql_archive(tmp_path, embedder):
         with pytest.raises(InvalidInput):
             s.add_messages(a, "alice", sid, [{"role": "user", "content": "nul\x00"}])
         assert s.search(a, "alice", "dog name", k=1)[0].text == "My dog is called Biscuit."
-        with s.archive.engine.connect() as c:
-            assert c.execute(sa.text("select version_num from alembic_version")).scalar() == "0002"
+        s.set_core_block(a, "alice", "human", "Dog: Biscuit", limit=20)
+        with pytest.raises(InvalidInput):
+            s.set_core_block(a, "alice", "human", "x" * 21)
+        assert [h.new_value for h in s.core_block_history(a, "alice")] == ["Dog: Biscuit"]
+        s.delete_user(a, "alice")
+        assert s.search(a, "alice", "dog") == [] and s.list_memories(a, "alice") == []
     finally:
         s.delete_tenant(a)
         s.delete_tenant(b)
