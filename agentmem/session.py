@@ -133,7 +133,21 @@ class AgentSession:
             return self._prepare(clean_text(query, "query"), persist=False)[0]
 
     def memories(self, status: str | None = None) -> list[Memory]:
+        """Facts and insights with their sources (message ids), status and successor."""
         return self.store.list_memories(self.tenant_id, self.user_id, status)
+
+    def correct_memory(self, memory_id: int, text: str) -> Memory:
+        """The user's correction of a memory: a new memory with the same sources supersedes
+        the old one, which stays in the archive linked to it."""
+        old = self.store.get_memory(self.tenant_id, self.user_id, memory_id)
+        new = self.store.add_memory(self.tenant_id, self.user_id, text, old.importance, old.source_ids, old.kind,
+                                    old.event_time)
+        self.store.supersede(self.tenant_id, self.user_id, old.id, new.id)
+        return new
+
+    def delete_memory(self, memory_id: int) -> None:
+        """Delete a memory for good (the user asked to forget it)."""
+        self.store.delete_memory(self.tenant_id, self.user_id, memory_id)
 
     def forget(self) -> None:
         """Delete this user's data in every tier: archive rows, recall vectors, and cached KV
