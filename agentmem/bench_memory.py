@@ -240,7 +240,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--window", type=int, default=None, help="full-context baseline window (default: the model's)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the full-context baseline")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--no-reflect", action="store_true", help="skip the reflection and compression conditions")
+    ap.add_argument("--reflect-model", action="store_true", help="reflection also uses constrained decoding")
+    ap.add_argument("--compress-rate", type=float, default=None, help="LLMLingua rate for recalled messages")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 user, 4 facts, 60 turns, no baseline")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.users, args.facts, args.turns, args.no_baseline = 1, 4, 60, True
 
     from .config import Config
     from .engine import Engine
@@ -273,6 +279,11 @@ def main(argv: list[str]) -> int:
         result |= {"full_context_accuracy": full["accuracy"], "full_context_evidence": full["evidence"],
                    "full_context_prompt_tokens_mean": full["prompt_tokens_mean"],
                    "full_context_turn_p50_s": full["p50"], "full_context_window": window}
+    if not args.no_reflect:
+        from .reflect.bench import run as run_reflect_conditions
+
+        result |= run_reflect_conditions(store, engine, config, workload, prepare, args.max_tokens,
+                                         use_model=args.reflect_model, rate=args.compress_rate)
     result |= {"questions": len(hist), "users": args.users, "turns_per_user": args.turns, "seed": args.seed,
                "import_s": import_s, "recall_k": config.recall_k, "context_budget": config.context_budget,
                "model": engine.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
