@@ -4,6 +4,7 @@ sources, checkpointed and idempotent, insights and the human block, constrained 
 from __future__ import annotations
 
 import json
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -173,25 +174,94 @@ def test_insights_and_human_block(store):
     assert "- The user's name is Jonas." in block.value  # most important first
 
 
-def test_reflect_fills_compressed_text_and_precomputes(store, engine):
+class FakeReuse:
+    """Stands in for `agentmem.kvreuse.get_reuse(engine)`: records what it was asked to store."""
+
+    def __init__(self):
+        self.segments = []
+
+    def precompute(self, segments):
+        self.segments += segments
+        return len(segments)
+
+
+def test_reflect_compresses_memories_and_messages_once(store, engine):
     from agentmem.compress import Compressor
 
-    _say(store, ["I work as a nurse at the children's hospital in the north of the city on weekends."])
-    seen = []
-    r = reflect(
-        store,
-        None,
-        "t1",
-        "u1",
-        use_model=False,
-        compressor=Compressor(engine),
-        kv_precompute=lambda ms: seen.extend(ms) or len(ms),
-    )
+    long = "I work as a nurse at the children's hospital in the north of the city on weekends."
+    said = _say(store, [long, "Hi there."])
+    compressor = Compressor(engine)
+    r = reflect(store, None, "t1", "u1", use_model=False, compressor=compressor, kv_reuse=FakeReuse())
     mems = store.list_memories("t1", "u1", status="active")
     assert mems and all(m.compressed_text for m in mems)
     job = next(m for m in mems if m.text.startswith("The user works as"))
     assert engine.count_tokens(job.compressed_text) < engine.count_tokens(job.text)
-    assert r.precomputed == len(seen) == len(mems)
+    msgs = {m.id: m for m in store.archive.messages("t1", "u1")}
+    assert r.messages_compressed == 2
+    assert engine.count_tokens(msgs[said[0].id].compressed_text) < engine.count_tokens(long)
+    assert msgs[said[1].id].compressed_text == "Hi there."  # too short to gain anything
+    hit = next(h for h in store.search("t1", "u1", "nurse hospital", k=10) if h.kind == "message")
+    assert hit.compressed_text == msgs[said[0].id].compressed_text  # what the prompt will show
+    again = reflect(store, None, "t1", "u1", use_model=False, compressor=compressor, kv_reuse=FakeReuse())
+    assert again.messages_compressed == 0 and again.compressed == 0
+
+
+def test_precomputed_segments_are_the_assemblers(store, engine):
+    """Chunk KV is keyed on segment text and namespace: reflection must precompute exactly the
+    segments a later prompt recalls, compressed text included."""
+    from agentmem.session import AgentSession
+
+    _say(store, ["I work as a nurse at the children's hospital in the north of the city on weekends."])
+    reflect(store, None, "t1", "u1", use_model=False)
+    fact = next(m for m in store.list_memories("t1", "u1", kind="fact"))
+    store.update_memory("t1", "u1", fact.id, compressed_text="The user nurse children's hospital weekends.")
+    s = AgentSession("u1", tenant_id="t1", config=store.config, engine=engine, store=store)
+    ctx = s.context("What is my job?")
+    recalled = {seg.ref: seg for seg in ctx.prompt if seg.tier == "recall" and seg.ref != "recall:header"}
+    assert f"memory:{fact.id}" in recalled
+    reuse = FakeReuse()
+    r = reflect(store, engine, "t1", "u1", use_model=False, kv_reuse=reuse, hot_memories=3)
+    assert r.precomputed == len(reuse.segments) >= 1
+    by_ref = {seg.ref: seg for seg in reuse.segments}
+    assert by_ref[f"memory:{fact.id}"] == recalled[f"memory:{fact.id}"]
+    assert "nurse children's hospital" in by_ref[f"memory:{fact.id}"].text
+    assert all(seg.namespace == "t1" and seg.cacheable for seg in reuse.segments)
+
+
+def test_hot_segments_prefer_the_most_recalled(store):
+    from agentmem.reflect import hot_segments
+
+    said = _say(store, ["I live in Oslo.", "My name is Ida.", "I work as a baker."])
+    reflect(store, None, "t1", "u1", use_model=False)
+    facts = _facts(store)
+    oslo, ida = facts["The user lives in Oslo."], facts["The user's name is Ida."]
+    sid = store.list_sessions("t1", "u1")[0].id
+    for _ in range(3):
+        store.record_turn("t1", "u1", sid, {"memories_used": [{"ref": f"memory:{oslo.id}"}]})
+    store.record_turn("t1", "u1", sid, {"memories_used": [{"ref": f"message:{said[0].id}"}]})
+    segs = hot_segments(store, "t1", "u1", 2)
+    assert [s.ref for s in segs] == [f"memory:{oslo.id}", f"message:{said[0].id}"]
+    assert segs[1].text.endswith('the user said: "I live in Oslo."\n')
+    assert [s.ref for s in hot_segments(store, "t1", "u1", 3)][2] == f"memory:{ida.id}"  # then importance
+    assert hot_segments(store, "t1", "u1", 0) == []
+
+
+def test_memories_are_inspectable_and_correctable(store, engine):
+    from agentmem.session import AgentSession
+
+    said = _say(store, ["I live in Oslo.", "I work as a baker."])
+    reflect(store, None, "t1", "u1", use_model=False)
+    s = AgentSession("u1", tenant_id="t1", config=store.config, engine=engine, store=store)
+    mems = {m.text: m for m in s.memories()}
+    oslo = mems["The user lives in Oslo."]
+    assert oslo.source_ids == [said[0].id] and oslo.status == "active"
+    new = s.correct_memory(oslo.id, "The user lives in Bergen.")
+    assert new.source_ids == oslo.source_ids and new.status == "active"
+    old = next(m for m in s.memories("superseded") if m.id == oslo.id)
+    assert old.superseded_by == new.id
+    s.delete_memory(mems["The user works as a baker."].id)
+    assert {m.text for m in s.memories("active")} == {"The user lives in Bergen."}
+    assert "Oslo" not in " ".join(h.text for h in s.search("where do I live", k=10) if h.kind != "message")
 
 
 def test_constrained_choose_and_copy(engine):
@@ -219,20 +289,35 @@ def test_model_extractor_output_is_well_formed(engine):
 
 
 def test_scheduler_runs_after_n_turns_or_idle(store):
-    _say(store, ["I live in Porto."], user="a")
+    _say(store, ["I live in Porto.", "I work as a cook.", "I like tea."], user="a")
     _say(store, ["I live in Faro."], user="b")
     done = []
     sched = ReflectionScheduler(store, None, every_turns=3, idle_s=60, on_report=done.append, use_model=False)
-    sched.notify("t1", "a", turns=3)
-    sched.notify("t1", "b")
-    assert sched.due() == [("t1", "a")]
-    assert [r.user_id for r in sched.run_due()] == ["a"]
-    assert sched.due() == []
-    far = 10**9
-    assert [r.user_id for r in sched.run_due(now=far)] == ["b"] and len(done) == 2
-    assert _facts(store, user="b")
+    soon = datetime.now(UTC)  # b's only turn was stored a moment ago: not idle yet
+    assert sched.due(now=soon) == [("t1", "a")]
+    assert [r.user_id for r in sched.run_due(now=soon)] == ["a"]
+    assert sched.due(now=soon) == []
+    _say(store, ["I play chess."], user="a")  # one new turn: not due until idle
+    later = datetime.now(UTC) + timedelta(hours=1)
+    assert sorted(sched.due(now=later)) == [("t1", "a"), ("t1", "b")]
+    assert sorted(r.user_id for r in sched.run_due(now=later)) == ["a", "b"] and len(done) == 3
+    assert _facts(store, user="b") and "The user plays chess." in _facts(store, user="a")
     with pytest.raises(ValueError):
         ReflectionScheduler(store, None, every_turns=0)
+
+
+def test_scheduler_thread_reflects_in_the_background(store):
+    done = threading.Event()
+    sched = ReflectionScheduler(store, None, every_turns=1, poll_s=0.05, use_model=False,
+                                on_report=lambda r: done.set())
+    sched.start()
+    try:
+        _say(store, ["I live in Lima."])
+        sched.notify()
+        assert done.wait(30)
+    finally:
+        sched.stop(5)
+    assert "The user lives in Lima." in _facts(store)
 
 
 def test_cli_reflects_every_user(tmp_path, monkeypatch, capsys, embedder):

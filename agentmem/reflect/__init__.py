@@ -2,13 +2,13 @@
 
 `reflect(store, engine, tenant_id, user_id)` runs one pass (checkpointed, idempotent);
 `ReflectionScheduler` runs passes in the background after N new turns or idle time;
-`agentmem reflect` runs them from the command line.
+`agentmem reflect` runs them from the command line (`--watch`: in the background).
 """
 
 from .checkpoint import Checkpoints
 from .constrained import Prefix, choose, copy_span
 from .facts import Fact, ModelExtractor, pattern_facts, slot_of
-from .job import HUMAN_BLOCK, ReflectReport, reflect
+from .job import HUMAN_BLOCK, ReflectReport, compress_messages, hot_segments, reflect
 from .trigger import ReflectionScheduler
 
 __all__ = [
@@ -20,7 +20,9 @@ __all__ = [
     "ReflectReport",
     "ReflectionScheduler",
     "choose",
+    "compress_messages",
     "copy_span",
+    "hot_segments",
     "pattern_facts",
     "reflect",
     "slot_of",

@@ -4,11 +4,12 @@ Each condition imports the same workload into its own tenant (so no condition se
 questions another one asked) and asks every question through `AgentSession.chat`:
 - plain: memory as is (the memory benchmark's own condition, re-run here to get the
   prompt's memory tokens per question);
-- reflect: `reflect()` for every user first, then the questions;
-- compressed: every recalled message shows its LLMLingua-compressed text. The archive has
-  no compressed column for messages yet, so the compressed text is computed the first
-  time a message is recalled and cached for the run: it depends on the message alone (never
-  on the question), so this is the same text a write-time compression would have stored.
+- reflect: `reflect()` for every user first (templates; `use_model` adds constrained
+  decoding), then the questions;
+- compressed: every message gets its LLMLingua-compressed text stored once, by the same
+  function reflection uses (`compress_messages`), then the questions: recall shows the
+  stored compressed text, exactly as in production. Evidence counts only when the recalled
+  line still holds the answer: a compressed line that lost the value is not evidence.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..compress import BudgetPolicy, Compressor
-from .job import reflect
+from .job import compress_messages, reflect
 
 
 @dataclass
@@ -28,6 +29,12 @@ class Asked:
     evidence: bool
     changed: bool
     memory_tokens: int  # recalled-memory lines in the prompt (the header excluded)
+    content_tokens: int  # the memory texts alone, without the date and speaker each line adds
+
+
+def _content(line: str) -> str:
+    """The memory text of an assembler recall line (`- DATE WHO: "TEXT"` or `- DATE KIND: TEXT`)."""
+    return line.split(": ", 1)[-1].strip().strip('"')
 
 
 def ask_all(store, engine, config, workload, tenant_id: str, max_tokens: int, label: str) -> list[Asked]:
@@ -39,12 +46,16 @@ def ask_all(store, engine, config, workload, tenant_id: str, max_tokens: int, la
         for q in h.questions:
             reply = s.chat(q.text, max_tokens=max_tokens)
             tr = s.last_turn
-            refs = {seg["ref"] for seg in tr.segments}
-            evidence = f"message:{q.evidence_id}" in refs or any(
-                q.evidence_id in m["source_ids"] and q.answer.lower() in m["text"].lower() for m in tr.memories_used
+            lines = {seg["ref"]: seg["text"] for seg in tr.segments}
+            said = lines.get(f"message:{q.evidence_id}")
+            evidence = (said is not None and q.answer.lower() in said.lower()) or any(
+                q.evidence_id in m["source_ids"] and q.answer.lower() in lines.get(m["ref"], "").lower()
+                for m in tr.memories_used
             )
-            mem = sum(seg["tokens"] for seg in tr.segments if seg["tier"] == "recall" and seg["ref"] != "recall:header")
-            out.append(Asked(q.answer.lower() in reply.lower(), evidence, q.old_answer is not None, mem))
+            recall = [seg for seg in tr.segments if seg["tier"] == "recall" and seg["ref"] != "recall:header"]
+            mem = sum(seg["tokens"] for seg in recall)
+            content = sum(engine.count_tokens(_content(seg["text"])) for seg in recall)
+            out.append(Asked(q.answer.lower() in reply.lower(), evidence, q.old_answer is not None, mem, content))
             print(f"  {label} {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} ev={evidence} mem={mem} "
                   f"{reply[:50]!r}", file=sys.stderr)
     return out
@@ -55,27 +66,8 @@ def _rate(xs: list[Asked], attr: str, changed_only: bool = False) -> float | Non
     return sum(getattr(x, attr) for x in xs) / len(xs) if xs else None
 
 
-class CompressedRecall:
-    """Wraps `store.search` so message hits carry their (cached) compressed text."""
-
-    def __init__(self, store, compressor: Compressor, rate: float):
-        self.search = store.search
-        self.compressor, self.rate = compressor, rate
-        self.cache: dict[str, str] = {}
-        self.original_tokens = self.compressed_tokens = 0
-
-    def __call__(self, *args, **kw):
-        return [self._compressed(h) for h in self.search(*args, **kw)]
-
-    def _compressed(self, hit):
-        if hit.kind != "message" or hit.compressed_text:
-            return hit
-        if hit.text not in self.cache:
-            text, stats = self.compressor.compress(hit.text, self.rate)
-            self.cache[hit.text] = text
-            self.original_tokens += stats.original_tokens
-            self.compressed_tokens += stats.compressed_tokens
-        return replace(hit, compressed_text=self.cache[hit.text])
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
 
 def run(store, engine, config, workload, prepare, max_tokens: int, use_model: bool = False,
@@ -99,15 +91,21 @@ def run(store, engine, config, workload, prepare, max_tokens: int, use_model: bo
 
     prepare(store, engine, config, workload, "bench-compressed")
     rate = rate if rate is not None else BudgetPolicy().rate_for("recall")
-    wrapper = CompressedRecall(store, Compressor(engine), rate)
-    store.search = wrapper
-    try:
-        compressed = ask_all(store, engine, config, workload, "bench-compressed", max_tokens, "compressed")
-    finally:
-        del store.search
+    policy = BudgetPolicy(rates={"recall": rate})
+    compressor = Compressor(engine)
+    t0 = time.perf_counter()
+    for h in workload:
+        msgs = store.archive.messages("bench-compressed", h.user)
+        n = compress_messages(store, "bench-compressed", h.user, msgs, compressor, policy)
+        print(f"  compressed {h.user}: {n} messages", file=sys.stderr)
+    compress_s = time.perf_counter() - t0
+    compressed = ask_all(store, engine, config, workload, "bench-compressed", max_tokens, "compressed")
+
     mem_plain = statistics.mean(x.memory_tokens for x in plain)
     mem_comp = statistics.mean(x.memory_tokens for x in compressed)
-    ev_plain = _rate(plain, "evidence")
+    text_plain = statistics.mean(x.content_tokens for x in plain)
+    text_comp = statistics.mean(x.content_tokens for x in compressed)
+    ev_plain, ev_comp = _rate(plain, "evidence"), _rate(compressed, "evidence")
     return {
         "accuracy_no_reflect": _rate(plain, "correct"),
         "accuracy_reflect": _rate(reflected, "correct"),
@@ -118,12 +116,15 @@ def run(store, engine, config, workload, prepare, max_tokens: int, use_model: bo
         "reflect_facts": facts,
         "reflect_model": use_model,
         "compression_rate_setting": rate,
-        "compression_ratio": mem_plain / mem_comp if mem_comp else None,
-        "compression_ratio_text": wrapper.original_tokens / wrapper.compressed_tokens if wrapper.compressed_tokens else None,
+        "compression_ratio": _ratio(text_plain, text_comp),
+        "compression_ratio_prompt_lines": _ratio(mem_plain, mem_comp),
         "memory_tokens_mean": mem_plain,
         "memory_tokens_compressed_mean": mem_comp,
+        "memory_text_tokens_mean": text_plain,
+        "memory_text_tokens_compressed_mean": text_comp,
         "accuracy_compressed": _rate(compressed, "correct"),
         "evidence_recall_plain": ev_plain,
-        "evidence_recall_compressed": _rate(compressed, "evidence"),
-        "evidence_kept_compressed": _rate(compressed, "evidence") / ev_plain if ev_plain else None,
+        "evidence_recall_at_10_compressed": ev_comp,
+        "evidence_kept_compressed": _ratio(ev_comp, ev_plain) if ev_plain else None,
+        "compress_s_per_100_turns": 100 * compress_s / turns,
     }

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, delete, select
+from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, and_, delete, func, select
+
+from ..tiers.schema import MessageRow, from_db_time
 
 _meta = MetaData()
 reflect_state = Table(
@@ -53,6 +55,22 @@ class Checkpoints:
                         tenant_id=tenant_id, user_id=user_id, last_message_id=last_message_id, updated_at=now
                     )
                 )
+
+    def backlog(self) -> list[tuple[str, str, int, datetime]]:
+        """(tenant, user, user turns after the checkpoint, time of the newest of them) for
+        every user with unreflected turns: one grouped query, whoever wrote the turns."""
+        m = MessageRow.__table__
+        joined = m.outerjoin(
+            reflect_state, and_(reflect_state.c.tenant_id == m.c.tenant_id, reflect_state.c.user_id == m.c.user_id)
+        )
+        q = (
+            select(m.c.tenant_id, m.c.user_id, func.count(), func.max(m.c.created_at))
+            .select_from(joined)
+            .where(m.c.role == "user", m.c.id > func.coalesce(reflect_state.c.last_message_id, 0))
+            .group_by(m.c.tenant_id, m.c.user_id)
+        )
+        with self.sql.connect() as c:
+            return [(t, u, int(n), from_db_time(last)) for t, u, n, last in c.execute(q)]
 
     def forget(self, tenant_id: str, user_id: str | None = None) -> None:
         """Drop the checkpoint of a deleted user (or every user of a deleted tenant)."""

@@ -10,21 +10,26 @@ Order of work, and why:
    which stays in the archive linked to its successor; the checkpoint advances per message;
 4. write insights over clusters of related active facts (embedding clustering);
 5. rewrite the "human" core block from the most important active facts, within its limit;
-6. give every memory lacking one its compressed text, and precompute chunk KV for the
-   hottest memories.
+6. give every memory lacking one its compressed text (messages too, as they are read: what
+   recall shows and what chunk KV is keyed on), and precompute chunk KV for the memories the
+   user's recent turns recalled most, as exactly the segments the assembler will emit.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from ..compress import Compressor, compress_memory
-from ..tiers import Memory, MemoryStore
+from ..assemble import memory_line
+from ..compress import BudgetPolicy, Compressor, compress_memory
+from ..engine import Segment
+from ..tiers import Hit, Memory, MemoryStore, Message
 from ..tiers.archive import DEFAULT_BLOCK_LIMIT
+from ..tiers.recall import chunk_text
 from .checkpoint import Checkpoints
 from .facts import Fact, ModelExtractor, about_user, pattern_facts, same_value, sentences, slot_of
 
@@ -33,8 +38,13 @@ MENTION_BONUS = 0.05
 DUPLICATE_SIMILARITY = 0.92  # cosine of MiniLM embeddings: same statement, other words
 CLUSTER_SIMILARITY = 0.45
 
-# precompute(memories) -> how many chunks were stored; the session wires kvreuse in
-KVPrecompute = Callable[[list[Memory]], int]
+TRACE_TURNS = 200  # recent turns whose recalled memories count as "used"
+
+
+class KVPrecompute(Protocol):
+    """What `agentmem.kvreuse.get_reuse(engine)` returns: stores each segment's chunk KV."""
+
+    def precompute(self, segments: list[Segment]) -> int: ...
 
 
 @dataclass
@@ -47,6 +57,7 @@ class ReflectReport:
     superseded: list[tuple[int, int]] = field(default_factory=list)  # (old, new)
     insights: list[int] = field(default_factory=list)
     compressed: int = 0
+    messages_compressed: int = 0
     precomputed: int = 0
     model_sentences: int = 0
     last_message_id: int = 0
@@ -91,11 +102,15 @@ def reflect(
     compressor: Compressor | None = None,
     use_model: bool = True,
     max_model_sentences: int | None = None,
-    kv_precompute: KVPrecompute | None = None,
+    kv_reuse: KVPrecompute | None = None,
     hot_memories: int = 8,
+    policy: BudgetPolicy | None = None,
 ) -> ReflectReport:
     """Reflect over the user's messages since the last run. `engine` may be None when
-    `use_model` is False and no compressor is given (templates only)."""
+    `use_model` is False and no compressor is given (templates only). With a `compressor`,
+    every message read and every memory written gets its compressed text; with an engine,
+    chunk KV of the hottest memories is precomputed through `agentmem.kvreuse` when it is
+    enabled (or through `kv_reuse`)."""
     t0 = time.perf_counter()
     report = ReflectReport(tenant_id, user_id)
     checkpoints = Checkpoints(store.archive.engine)
@@ -112,15 +127,17 @@ def reflect(
         if msg.role == "user":
             for fact in _extract(msg, extractor, report, max_model_sentences):
                 _integrate(fact, facts, report, compressor)
+        if compressor is not None:
+            report.messages_compressed += compress_messages(store, tenant_id, user_id, [msg], compressor, policy)
         checkpoints.set(tenant_id, user_id, msg.id)
         report.last_message_id = msg.id
     # always: a user may have deleted or corrected a fact since the last run
     report.insights = _write_insights(facts, compressor)
     _update_human_block(store, tenant_id, user_id, facts)
     report.compressed = _backfill_compressed(store, tenant_id, user_id, compressor)
-    if kv_precompute is not None:
-        hot = sorted(store.list_memories(tenant_id, user_id, status="active"), key=lambda m: -m.importance)
-        report.precomputed = kv_precompute(hot[:hot_memories])
+    reuse = kv_reuse if kv_reuse is not None else _engine_reuse(engine)
+    if reuse is not None:
+        report.precomputed = reuse.precompute(hot_segments(store, tenant_id, user_id, hot_memories))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -267,3 +284,75 @@ def _backfill_compressed(
             )
             n += 1
     return n
+
+
+def compress_messages(
+    store: MemoryStore,
+    tenant_id: str,
+    user_id: str,
+    messages: list[Message],
+    compressor: Compressor,
+    policy: BudgetPolicy | None = None,
+) -> int:
+    """Give each message lacking one its compressed text (the recall tier's rate), once.
+    A message long enough to be recalled in pieces keeps its pieces verbatim: the prompt
+    shows a piece, and a compressed whole would not match it."""
+    todo = {
+        m.id: compress_memory(compressor, m.text, "recall", policy)
+        for m in messages
+        if m.compressed_text is None and len(chunk_text(m.text)) == 1
+    }
+    if todo:
+        store.archive.set_message_compressed(tenant_id, user_id, todo)
+    return len(todo)
+
+
+def _engine_reuse(engine) -> KVPrecompute | None:
+    if engine is None:
+        return None
+    try:
+        from ..kvreuse import get_reuse
+    except ImportError:  # chunk KV reuse not built into this install
+        return None
+    return get_reuse(engine)
+
+
+def _hit(item: Memory | Message, chunk: int = 0) -> Hit:
+    """The recall hit a stored memory or message comes back as (what `memory_line` reads)."""
+    if isinstance(item, Message):
+        pieces = chunk_text(item.text)
+        compressed = item.compressed_text if len(pieces) == 1 else None
+        return Hit(item.id, "message", pieces[chunk], 0.0, 0.0, item.time, [item.id], item.role,
+                   item.session_id, 0.5, chunk, compressed)
+    return Hit(item.id, item.kind, item.text, 0.0, 0.0, item.time, list(item.source_ids),
+               importance=item.importance, compressed_text=item.compressed_text)
+
+
+def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int) -> list[Segment]:
+    """The recall segments of the user's `n` most used memories: those recalled most often
+    in the recent turns' traces, then the most important active facts. Each is built with
+    the assembler's own `memory_line` and the tenant as namespace, so its chunk-KV key is
+    the one a later prompt will look up."""
+    if n <= 0:
+        return []
+    uses = Counter(
+        m["ref"] for t in store.turns(tenant_id, user_id, limit=TRACE_TURNS) for m in t.trace.get("memories_used", [])
+    )
+    active = {f"memory:{m.id}": m for m in store.list_memories(tenant_id, user_id, status="active")}
+    message_ids = {int(r.split(":")[1].split("#")[0]) for r in uses if r.startswith("message:")}
+    messages = {m.id: m for m in store.archive.messages(tenant_id, user_id, ids=message_ids)} if message_ids else {}
+    hits: list[Hit] = []
+    for ref, _ in uses.most_common():
+        kind, _, rest = ref.partition(":")
+        row_id, _, chunk = rest.partition("#")
+        if kind == "memory" and ref in active:
+            hits.append(_hit(active[ref]))
+        elif kind == "message" and int(row_id) in messages:
+            msg = messages[int(row_id)]
+            if int(chunk or 0) < len(chunk_text(msg.text)):
+                hits.append(_hit(msg, int(chunk or 0)))
+    chosen = {h.ref for h in hits}
+    for m in sorted(active.values(), key=lambda m: (-m.importance, -m.id)):
+        if f"memory:{m.id}" not in chosen:
+            hits.append(_hit(m))
+    return [Segment(memory_line(h), cacheable=True, tier="recall", ref=h.ref, namespace=tenant_id) for h in hits[:n]]

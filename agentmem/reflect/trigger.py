@@ -1,5 +1,7 @@
-"""Reflection in the background: after N new turns of a user, or once the user has been
-idle for a while, never on the request path (`notify` only counts and returns)."""
+"""Reflection in the background: a user is due after N new turns, or once they have been idle
+for a while. Never on the request path: the scheduler reads the backlog from the archive
+(the turns after each user's checkpoint), so whoever wrote the turns, on whatever replica,
+nothing has to call it; `notify` only wakes it early."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
+from .checkpoint import Checkpoints
 from .job import ReflectReport, reflect
 
 log = logging.getLogger(__name__)
@@ -30,41 +34,41 @@ class ReflectionScheduler:
         self.every_turns, self.idle_s, self.poll_s = every_turns, idle_s, poll_s
         self.on_report = on_report
         self.reflect_kwargs = reflect_kwargs
-        self._pending: dict[tuple[str, str], tuple[int, float]] = {}  # -> (new turns, last turn time)
-        self._lock = threading.Lock()
+        self.checkpoints = Checkpoints(store.archive.engine)
+        self._failed: dict[tuple[str, str], float] = {}  # -> monotonic time of the last failure
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def notify(self, tenant_id: str, user_id: str, turns: int = 1) -> None:
-        """A user had `turns` new turns. Cheap: safe to call from the request path."""
-        with self._lock:
-            n, _ = self._pending.get((tenant_id, user_id), (0, 0.0))
-            self._pending[(tenant_id, user_id)] = (n + turns, time.monotonic())
-            due = n + turns >= self.every_turns
-        if due:
-            self._wake.set()
+    def notify(self) -> None:
+        """Some user had new turns: look at the backlog now rather than at the next poll."""
+        self._wake.set()
 
-    def due(self, now: float | None = None) -> list[tuple[str, str]]:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            return [
-                k
-                for k, (n, last) in self._pending.items()
-                if n >= self.every_turns or (n and now - last >= self.idle_s)
-            ]
+    def due(self, now: datetime | None = None) -> list[tuple[str, str]]:
+        """Users with `every_turns` unreflected turns, or with some and idle for `idle_s`;
+        a user whose last pass failed waits `idle_s` before the next try."""
+        now = now or datetime.now(UTC)
+        idle = timedelta(seconds=self.idle_s)
+        mono = time.monotonic()
+        return [
+            (t, u)
+            for t, u, n, last in self.checkpoints.backlog()
+            if (n >= self.every_turns or now - last >= idle) and mono - self._failed.get((t, u), -1e18) >= self.idle_s
+        ]
 
-    def run_due(self, now: float | None = None) -> list[ReflectReport]:
+    def run_due(self, now: datetime | None = None) -> list[ReflectReport]:
         """Reflect every user that is due, one after another (the model is shared)."""
         reports = []
         for key in self.due(now):
-            with self._lock:
-                self._pending.pop(key, None)
+            if self._stop.is_set():
+                break
             try:
                 r = reflect(self.store, self.engine, *key, **self.reflect_kwargs)
             except Exception:
                 log.exception("reflection failed for tenant %s user %s", *key)
+                self._failed[key] = time.monotonic()
                 continue
+            self._failed.pop(key, None)
             reports.append(r)
             if self.on_report:
                 self.on_report(r)
@@ -86,7 +90,9 @@ class ReflectionScheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            try:
+                self.run_due()
+            except Exception:  # the archive was unreachable: try again at the next poll
+                log.exception("reflection scheduler poll failed")
             self._wake.wait(self.poll_s)
             self._wake.clear()
-            if not self._stop.is_set():
-                self.run_due()
