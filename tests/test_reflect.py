@@ -228,6 +228,25 @@ def test_precomputed_segments_are_the_assemblers(store, engine):
     assert all(seg.namespace == "t1" and seg.cacheable for seg in reuse.segments)
 
 
+def test_precomputed_kv_is_used_by_the_next_turn(store, engine, tmp_path):
+    """With chunk reuse on the engine, reflection stores the hot memories' KV and the next
+    turn that recalls them takes it from the cache instead of prefilling them."""
+    from agentmem.engine import Engine
+    from agentmem.kvreuse import enable_chunk_reuse
+    from agentmem.session import AgentSession
+
+    cfg = Config(dtype="float32", device="cpu", kv_mode="blend", kv_disk_dir=tmp_path / "chunks")
+    e = Engine(engine.model, engine.tokenizer, engine.model_id, engine.device, cfg)  # the fixture stays as is
+    reuse = enable_chunk_reuse(e)
+    _say(store, ["I work as a nurse in Oslo."])
+    r = reflect(store, e, "t1", "u1", use_model=False, hot_memories=2)
+    assert r.precomputed > 0 and reuse.stats()["hits"] == 0
+    s = AgentSession("u1", tenant_id="t1", config=store.config, engine=e, store=store)
+    s.chat("What is my job?", max_tokens=1)
+    recalled = [seg for seg in s.last_turn.segments if seg["tier"] == "recall" and seg["ref"].startswith("memory:")]
+    assert recalled and all(seg["kv"] in ("reused", "blended") for seg in recalled)
+
+
 def test_hot_segments_prefer_the_most_recalled(store):
     from agentmem.reflect import hot_segments
 
