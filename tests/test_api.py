@@ -4,11 +4,13 @@ metrics, and a short bounded load run."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import threading
 import time
 import types
+import uuid
 
 import httpx
 import pytest
@@ -317,3 +319,54 @@ def test_real_chunk_cache_is_dropped_with_its_tenant(embedder, tmp_path):
     store.close()
     assert reuse.drop_namespace(tid) == 0  # nothing of the tenant was left to drop
     assert reuse.stats()["entries"] == 0 and not any((tmp_path / "chunks").rglob("*.kv"))
+
+
+PG_URL = os.environ.get("AGENTMEM_TEST_PG_URL")
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL schema of this test's own."""
+    sa = pytest.importorskip("sqlalchemy")
+    if not PG_URL:
+        pytest.skip("AGENTMEM_TEST_PG_URL is unset (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)")
+    schema = f"agentmem_api_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL)
+    with admin.begin() as c:
+        c.execute(sa.text(f"create schema {schema}"))
+    yield sa.engine.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(False)
+    with admin.begin() as c:
+        c.execute(sa.text(f"drop schema {schema} cascade"))
+    admin.dispose()
+
+
+def test_two_replicas_on_postgresql_share_tenants_and_memory(engine, embedder, pg_url, tmp_path):
+    """Two servers, each with its own recall index directory, on one PostgreSQL: a key made
+    on one works on the other, and memory written through either is recalled through the
+    other (its index is rebuilt from the shared archive)."""
+    stores, servers = [], []
+    for name in ("a", "b"):
+        cfg = engine.config.model_copy(update={"data_dir": tmp_path / name, "db_url": pg_url})
+        stores.append(MemoryStore(cfg, embedder=embedder))
+        servers.append(LocalServer(create_app(cfg, engine=engine, store=stores[-1], limits=Limits(rate_per_minute=0),
+                                              ui=False)).__enter__())
+    try:
+        _, key = create_tenant_with_key(stores[0], "pg")
+        a, b = (httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) for s in servers)
+        first = a.post("/v1/users/pat/memories", json={"text": "Pat's bike is a red Bianchi."}).json()["id"]
+        hits = b.post("/v1/users/pat/search", json={"query": "What bike does Pat ride?", "k": 1}).json()["data"]
+        assert hits[0]["ref"] == f"memory:{first}"
+        second = b.post("/v1/users/pat/memories", json={"text": "Pat's sister is called Dana."}).json()["id"]
+        hits = a.post("/v1/users/pat/search", json={"query": "Who is Pat's sister?", "k": 1}).json()["data"]
+        assert hits[0]["ref"] == f"memory:{second}"
+        r = b.post("/v1/chat/completions", json={"user": "pat", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "What bike do I ride?"}]})
+        assert r.status_code == 200 and f"memory:{first}" in r.json()["agentmem"]["memories_used"]
+        sid = r.json()["session_id"]
+        assert [m["role"] for m in a.get(f"/v1/users/pat/sessions/{sid}/messages").json()["data"]] == \
+            ["user", "assistant"]
+    finally:
+        for srv in servers:
+            srv.__exit__(None, None, None)
+        for st in stores:
+            st.close()

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import threading
-import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -24,38 +21,22 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 VIEWS = ["memories", "core", "sessions", "turn", "timeline"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A live agentmem server: its base URL, one tenant's key, and an httpx client with it."""
 
     def __init__(self, app, store):
-        import uvicorn
-
         from agentmem.api.auth import create_tenant_with_key
+        from agentmem.api.local import LocalServer
 
         self.store = store
         self.tenant_id, self.key = create_tenant_with_key(store, "ui-test")
-        port = _free_port()
-        self.base = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.05)
+        self._local = LocalServer(app).__enter__()
+        self.base = self._local.url
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.key}"}, timeout=120)
 
     def stop(self) -> None:
         self.http.close()
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._local.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -327,24 +308,34 @@ def test_stored_markup_is_shown_as_text(server, page):
 
 
 def take_screenshots(page, server: Server, user: str, out: Path) -> list[Path]:
-    """One PNG per view of `user` (and the wrong-key error), for the README."""
+    """One PNG per view, `ui-<view>.png`: the tenant's users, each tab of `user`, and the
+    wrong-key error."""
     out.mkdir(parents=True, exist_ok=True)
     shots = []
+
+    def shot(name: str, full_page: bool = True) -> None:
+        shots.append(out / f"ui-{name}.png")
+        page.screenshot(path=str(shots[-1]), full_page=full_page)
+
+    connect(page, server)
+    page.locator(f'#users a[data-user="{user}"]').wait_for()
+    shot("users")
     open_user(page, server, user)
     for view in VIEWS:
         page.click(f'#tabs a[data-tab="{view}"]')
         settle(page)
-        shots.append(out / f"{view}.png")
-        page.screenshot(path=str(shots[-1]), full_page=True)
+        shot(view)
     connect(page, server, key="am-wrong")
     page.locator("#error").wait_for(state="visible")
-    shots.append(out / "wrong-key.png")
-    page.screenshot(path=str(shots[-1]))
+    shot("wrong-key", full_page=False)
     return shots
 
 
 def test_screenshot_of_each_view(server, iris, page, tmp_path):
-    """Every view renders; AGENTMEM_UI_SCREENSHOTS=<dir> keeps the images (docs/screenshots)."""
+    """Every view renders. `AGENTMEM_UI_SCREENSHOTS=docs/img pytest tests/test_ui.py -k
+    screenshot` keeps the images (docs/img/ui-<view>.png, shown in docs/ui.md)."""
     out = Path(os.environ.get("AGENTMEM_UI_SCREENSHOTS") or tmp_path)
-    for shot in take_screenshots(page, server, iris, out):
+    shots = take_screenshots(page, server, iris, out)
+    assert [p.name for p in shots] == [f"ui-{v}.png" for v in ["users", *VIEWS, "wrong-key"]]
+    for shot in shots:
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5_000
