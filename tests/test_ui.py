@@ -40,15 +40,19 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, engine, embedder):
+def server(tmp_path_factory, embedder):
+    """Its own engine with chunk-KV reuse on (the shared one runs kv_mode "full"), so turns
+    report reused / blended / prefilled segments as in real use."""
     from agentmem.api.app import create_app
     from agentmem.config import Config
+    from agentmem.engine import Engine
     from agentmem.tiers.store import MemoryStore
 
     data = tmp_path_factory.mktemp("ui-data")
-    config = Config(dtype="float32", device="cpu", data_dir=data, kv_disk_dir=data / "chunks", reply_tokens=8)
+    config = Config(dtype="float32", device="cpu", data_dir=data, kv_disk_dir=data / "chunks", reply_tokens=8,
+                    kv_mode="blend")
     store = MemoryStore(config, embedder=embedder)
-    srv = Server(create_app(config, engine=engine, store=store), store)
+    srv = Server(create_app(config, engine=Engine.load(config), store=store), store)
     yield srv
     srv.stop()
     store.close()
