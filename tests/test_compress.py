@@ -56,6 +56,17 @@ def test_compress_halves_and_keeps_the_fact(compressor, engine):
     assert "nurse" in long_text
 
 
+def test_words_are_kept_or_dropped_whole(compressor, engine):
+    """Half a word is a new word: "Sub" of "Subaru" would misstate the fact."""
+    text = "I sold my old hatchback last spring and now I drive a Subaru Outback with a roof box."
+    assert any(len(engine.encode(" " + w)) > 1 for w in ("Subaru", "hatchback", "Outback"))
+    for rate in (0.5, 0.3):
+        out, stats = compressor.compress(text, rate)
+        assert stats.method == "llmlingua"
+        words = set(text.replace(".", "").split())
+        assert set(out.replace(".", "").split()) <= words, out
+
+
 def test_rate_one_and_short_text_are_verbatim(compressor):
     assert compressor.compress(LONG, 1.0)[0] == LONG
     text, stats = compressor.compress("I like tea.", 0.3)

@@ -97,6 +97,21 @@ class EngineCompressor(PromptCompressor):
         self.digit_tokens = torch.tensor(
             [any(ch.isdigit() for ch in t or "") for t in vocab], device=engine.device
         )
+        # a token continues the word before it when it starts with a letter or digit and no
+        # space marker (byte-level BPE writes a leading space as "Ġ", a newline as "Ċ")
+        self.continues_word = torch.tensor(
+            [bool(t) and t[0].isalnum() and t[0] not in "ĠĊ" for t in vocab], device=engine.device
+        )
+
+    def whole_words(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Keep every token of a word of which any token is kept: half a word ("Sub" of
+        "Subaru") is a new, wrong word, and its first token usually carries the surprise."""
+        starts = ~self.continues_word[ids]
+        starts[0] = True
+        word = torch.cumsum(starts.long(), 0) - 1
+        kept = torch.zeros(int(word[-1]) + 1, dtype=torch.long, device=ids.device)
+        kept.scatter_reduce_(0, word, keep.long(), reduce="amax")
+        return kept[word].bool()
 
     def protected(self, ids: torch.Tensor) -> torch.Tensor:
         """Tokens that are never dropped: numbers (each digit is its own token here, so
@@ -121,12 +136,12 @@ class EngineCompressor(PromptCompressor):
         self_input_ids=None,
         self_attention_mask=None,
     ):
-        """Keep a token when *it* is surprising.
+        """Keep a token when *it* is surprising, and keep words whole.
 
         `loss[j]` is the surprise of token j+1; the stock method judges token j by it, which on
         short memories drops exactly the names and numbers that carry the fact ("My dog's name
-        is Rex" -> "My's is"). Numbers are always kept. The question-conditioned path keeps the
-        stock rule.
+        is Rex" -> "My's is"). Numbers are always kept, and a word is kept or dropped as a
+        whole. The question-conditioned path keeps the stock rule.
         """
         if self_loss is not None:
             return super().get_compressed_input(
@@ -149,7 +164,7 @@ class EngineCompressor(PromptCompressor):
         lo, hi = max(end - iterative_size, 1), min(end, m + 1)
         if hi > lo:
             keep[lo:hi] = loss[lo - 1 : hi - 1] > threshold
-        keep |= self.protected(ids)
+        keep = self.whole_words(ids, keep | self.protected(ids))
         if keep_flag is not None:
             keep |= keep_flag[:n] == 1
             keep_flag = keep_flag[:n][keep]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 class BudgetPolicy:
     # tier -> rate used when a memory of that tier is written; tiers not listed stay verbatim
     rates: dict[str, float] = field(
-        default_factory=lambda: {"recall": 0.5, "fact": 0.5, "insight": 0.6, "summary": 0.6}
+        default_factory=lambda: {"recall": 0.4, "fact": 0.5, "insight": 0.6, "summary": 0.6}
     )
     # compressed first when over budget (the cheapest loss first)
     order: tuple[str, ...] = ("recall", "fact", "insight", "summary")
