@@ -57,6 +57,7 @@ class AgentSession:
                              f"model's context window {engine.context_window}")
         self.assembler = Assembler(engine, budget)
         self.last_turn: TurnTrace | None = None
+        self._compressor = None  # LLMLingua, built on the first question-aware turn
         self._lock = threading.RLock()
         self._open(session_id)
 
@@ -69,14 +70,21 @@ class AgentSession:
 
     # --- the turn ----------------------------------------------------------------------------
     def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
-             temperature: float = 0.0) -> str | Iterator[str]:
+             temperature: float = 0.0, question_aware_tokens: int | None = None) -> str | Iterator[str]:
         """Reply to `text`. With stream=True, an iterator of text pieces; the reply is stored
-        and `last_turn` set when it is exhausted. The user's message is committed first."""
+        and `last_turn` set when it is exhausted. The user's message is committed first.
+        `question_aware_tokens`: compress the recalled memories against `text` to about that
+        many tokens (LongLLMLingua); their cached KV cannot be reused for this turn."""
         with self._lock:
             text = clean_text(text, "message")
             user_msg = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
                                                [{"role": "user", "content": text}])
             ctx, evicted = self._prepare(text, persist=True, exclude={user_msg[0].id})
+            if question_aware_tokens is not None:
+                from .compress import Compressor, question_aware
+
+                self._compressor = self._compressor or Compressor(self.engine)
+                ctx = question_aware(ctx, self._compressor, text, question_aware_tokens)
             self.working.push(user_msg)
             gen = self.engine.stream(ctx.prompt, max_tokens=max_tokens or self.config.reply_tokens,
                                      temperature=temperature)
