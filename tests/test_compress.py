@@ -113,3 +113,26 @@ def test_budget_plan_compresses_in_order_only_when_needed():
         BudgetPolicy(rates={"recall": 0.0})
     with pytest.raises(ValueError):
         p.plan(original, compressed, 0)
+
+
+def test_question_aware_turn_replaces_recall_with_one_uncached_segment(engine, embedder, tmp_path):
+    from agentmem.compress.question import REF
+    from agentmem.config import Config
+    from agentmem.session import AgentSession
+    from agentmem.tiers import MemoryStore
+
+    store = MemoryStore(Config(data_dir=tmp_path, context_budget=512), embedder=embedder)
+    try:
+        old = AgentSession("u", tenant_id="t", config=store.config, engine=engine, store=store)
+        old.add_messages([{"role": "user", "content": t} for t in (FACT, LONG, "I collect old maps of Portugal.")])
+        s = AgentSession("u", tenant_id="t", config=store.config, engine=engine, store=store)
+        plain = s.context("Where do I live?")
+        recalled = [seg for seg in plain.segments if seg.tier == "recall" and seg.ref != "recall:header"]
+        assert len(recalled) >= 2
+        s.chat("Where do I live?", max_tokens=1, question_aware_tokens=16)
+        segs = [seg for seg in s.last_turn.segments if seg["tier"] == "recall"]
+        assert [seg["ref"] for seg in segs] == ["recall:header", REF]
+        assert segs[1]["tokens"] < sum(seg.tokens for seg in recalled)
+        assert segs[1]["kv"] == "prefilled"
+    finally:
+        store.close()

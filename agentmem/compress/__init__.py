@@ -3,6 +3,7 @@
 from .compressor import CompressionStats, Compressor, compress_memory
 from .lingua import EngineCompressor, EngineLM
 from .policy import BudgetPlan, BudgetPolicy
+from .question import question_aware
 
 __all__ = [
     "BudgetPlan",
@@ -12,4 +13,5 @@ __all__ = [
     "EngineCompressor",
     "EngineLM",
     "compress_memory",
+    "question_aware",
 ]
