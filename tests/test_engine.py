@@ -12,8 +12,10 @@ from agentmem.engine import (
     InvalidSampling,
     PrefillResult,
     PromptTooLong,
+    SamplingParams,
     Segment,
 )
+from agentmem.engine.sequence import Sequence
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 
@@ -45,13 +47,43 @@ def test_greedy_64_tokens_match_hf(engine, hf_model):
     assert g.stats.finish_reason == "length" and 0 < g.stats.ttft_s <= g.stats.total_s
 
 
-def test_chunked_prefill_over_the_pool_equals_one_shot(engine):
+def drive(engine, loop, prompts, max_tokens, before=()):
+    """Run prompts through `loop` in this thread, one scheduler step at a time (no loop thread,
+    so which requests share a step is deterministic). `before`: prompts admitted one step
+    earlier. Returns each prompt's generated ids."""
+    def add(p):
+        ids = [t for part in engine.tokenize_prompt(p) for t in part[0]]
+        seq = Sequence(ids, SamplingParams(max_tokens=max_tokens).validate(), max_tokens)
+        loop.scheduler.add(seq)
+        return seq
+
+    seqs = [add(p) for p in before]
+    if seqs:
+        loop.step()
+    seqs += [add(p) for p in prompts]
+    while loop.scheduler.has_work():
+        loop.step()
+    return [s.generated for s in seqs]
+
+
+def test_chunked_prefill_beside_a_running_decode_equals_one_shot(engine):
     prompt = chat(engine, "Summarise this: " + "the river runs past the mill and the mill grinds the wheat. " * 12)
-    small = EngineLoop(engine, block_size=8, pool_tokens=1024, prefill_chunk=37)
+    other = chat(engine, "Say hello.")
     a = engine.generate(prompt, max_tokens=12)
-    b = engine.generate(prompt, max_tokens=12, loop=small)
-    assert b.stats.prompt_tokens > 3 * 37
-    assert a.token_ids == b.token_ids
+    small = EngineLoop(engine, block_size=8, pool_tokens=1024, prefill_chunk=37)
+    decoding, b = drive(engine, small, [prompt], 12, before=[other])
+    n = a.stats.prompt_tokens
+    assert n > 3 * 37
+    assert small.steps >= 1 + -(-n // 37)  # the prompt went in 37-token chunks beside the decode
+    assert a.token_ids == b
+    assert decoding == engine.generate(other, max_tokens=12).token_ids
+
+
+def test_a_lone_prompt_is_prefilled_in_one_step(engine):
+    prompt = chat(engine, "Summarise this: " + "the river runs past the mill. " * 12)
+    small = EngineLoop(engine, block_size=8, pool_tokens=1024, prefill_chunk=16)
+    (out,) = drive(engine, small, [prompt], 3)
+    assert len(out) == 3 and small.steps == 3
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +96,16 @@ def few(engine):
 def test_batched_decode_equals_one_by_one(engine, few):
     prompts, alone = few
     loop = EngineLoop(engine, pool_tokens=2048)
-    streams = [engine.stream(p, max_tokens=10, loop=loop) for p in prompts]  # all queued before any finishes
-    for s in streams:
-        list(s)
-    assert [s.result.token_ids for s in streams] == alone
-    assert loop.steps < len(prompts) * 10  # decode steps were shared
+    assert drive(engine, loop, prompts, 10) == alone
+    assert loop.steps == max(map(len, alone))  # one prefill step, then every decode step shared
+
+
+def test_garbage_in_unwritten_pool_slots_never_reaches_the_output(engine, few):
+    prompts, alone = few
+    loop = EngineLoop(engine, block_size=16, pool_tokens=512)
+    loop.pool.k.fill_(float("nan"))  # fresh pool memory is not zeroed: it may hold NaN
+    loop.pool.v.fill_(float("nan"))
+    assert drive(engine, loop, prompts, 10) == alone
 
 
 def test_concurrent_generate_from_threads_matches_sequential(engine, few):
@@ -88,13 +125,15 @@ def test_concurrent_generate_from_threads_matches_sequential(engine, few):
 
 def test_preemption_when_the_pool_runs_out_keeps_outputs(engine, few):
     prompts, alone = few
-    tiny = EngineLoop(engine, block_size=4, pool_tokens=4 * 22)  # too small for all three at once
-    streams = [engine.stream(p, max_tokens=10, loop=tiny) for p in prompts]
-    for s in streams:
-        list(s)
+    lens = [sum(len(part[0]) for part in engine.tokenize_prompt(p)) for p in prompts]
+    at_start = sum(-(-n // 4) for n in lens)
+    at_end = sum(-(-(n + len(a) - 1) // 4) for n, a in zip(lens, alone, strict=True))  # last token: no KV
+    blocks = at_end - 1  # all three are admitted, but cannot all finish side by side
+    assert at_start + len(prompts) <= blocks
+    tiny = EngineLoop(engine, block_size=4, pool_tokens=4 * blocks)
+    assert drive(engine, tiny, prompts, 10) == alone
     assert tiny.scheduler.preemptions > 0
-    assert [s.result.token_ids for s in streams] == alone
-    assert tiny.blocks.num_free == 22
+    assert tiny.blocks.num_free == blocks
 
 
 def test_stream_pieces_join_to_the_text(engine):

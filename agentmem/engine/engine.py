@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import Config
 from .errors import EmptyPrompt, PromptTooLong
+from .kernels.reference import sdpa
 from .loop import EngineLoop
 from .model import Transformer, load_transformer
 from .sampler import SamplingParams
@@ -109,11 +109,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """Exact causal attention by explicit positions: query i sees key j iff k_pos[j] <= q_pos[i].
     q [Nq,H,hd], k/v [Nk,KV,hd] -> [Nq,H,hd]."""
-    mask = k_pos[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    return sdpa(q, k, v, k_pos[None, :] <= q_pos[:, None])
 
 
 class DenseKV:
@@ -140,6 +136,8 @@ class DenseKV:
         def attn(i, q, k_raw, k_rot, v):
             self.k[i][start:end] = k_rot
             self.v[i][start:end] = v
+            if start == 0:  # the keys are exactly these tokens: plain causal attention
+                return sdpa(q, k_rot, v)
             return attend(q, self.k[i][:end], self.v[i][:end], pos[start:end], pos)
 
         return attn

@@ -148,7 +148,7 @@ class EngineLoop:
         e, p = self.engine, seq.params
         if not seq.generated and not seq.ttft_s:
             seq.ttft_s = time.perf_counter() - seq.t_submit
-        if tok in e.eos_ids:
+        if tok in e.eos_ids and not p.ignore_eos:
             return self._finish(seq, "stop")
         seq.token_ids.append(tok)
         text = e.decode(seq.generated)

@@ -3,11 +3,14 @@ in the model's flat token layout, against the paged pool."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from .block_manager import BlockManager
 from .kernels import paged_decode_attention
+from .kernels.reference import sdpa
 from .kv_pool import KVPool
 from .model import Transformer
 from .scheduler import Scheduled
@@ -17,15 +20,10 @@ from .sequence import Sequence
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of a prompt chunk at positions start.. over keys 0..start+n-1.
     q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
-    n = q.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if start == 0:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-    else:
-        pos = torch.arange(start + n, device=q.device)
-        mask = pos[None, :] <= pos[start:, None]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+        return sdpa(q, k, v)
+    pos = torch.arange(start + q.shape[0], device=q.device)
+    return sdpa(q, k, v, pos[None, :] <= pos[start:, None])
 
 
 class ModelRunner:
@@ -37,6 +35,42 @@ class ModelRunner:
 
     def _tensor(self, xs, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(xs, dtype=dtype, device=self.device)
+
+    def _decode_attention(self, seqs: list[Sequence]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """attn(layer, q [B,H,hd]) for one decode query per sequence over its paged keys.
+
+        On CUDA it is the paged Triton kernel. Elsewhere the work that does not depend on the
+        layer is done once per step: the flat pool slots of every sequence's keys (padded with
+        its own first slot, then masked) and the mask; each layer is then one gather of K and
+        of V and one SDPA call. Only written slots are ever read, so the garbage of a fresh
+        block (the pool is not zeroed) cannot leak NaN into the softmax."""
+        lens = [s.num_computed + 1 for s in seqs]
+        pool = self.pool
+        if self.device.type == "cuda":
+            width = max(len(s.block_table) for s in seqs)
+            tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+            lens_t = self._tensor(lens, torch.int32)
+            return lambda i, q: paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens_t)
+        width = max(lens)
+        idx: list[int] = []
+        for s, n in zip(seqs, lens, strict=True):
+            slots = self.blocks.slots(s, 0, n)
+            idx += slots + slots[:1] * (width - n)
+        idx_t = self._tensor(idx)
+        mask = None
+        if min(lens) < width:
+            mask = (torch.arange(width, device=self.device)[None, :] < self._tensor(lens)[:, None])[:, None, None, :]
+        b, kv_heads, hd = len(seqs), pool.k.shape[-2], pool.k.shape[-1]
+
+        def attn(i: int, q: torch.Tensor) -> torch.Tensor:
+            k = pool.k[i].view(-1, kv_heads, hd).index_select(0, idx_t).view(b, width, kv_heads, hd)
+            v = pool.v[i].view(-1, kv_heads, hd).index_select(0, idx_t).view(b, width, kv_heads, hd)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+            )
+            return out[:, :, 0]
+
+        return attn
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -58,10 +92,7 @@ class ModelRunner:
                 done.append(seq)
         decodes = [sc.seq for sc in batch if sc.n == 1]
         n_dec = len(decodes)
-        if n_dec:
-            width = max(len(s.block_table) for s in decodes)
-            tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], torch.int32)
-            lens = self._tensor([s.num_computed + 1 for s in decodes], torch.int32)
+        decode_attn = self._decode_attention(decodes) if n_dec else None
         chunks = []  # (row offset, n, start position, block table)
         row = n_dec
         for sc in batch[n_dec:]:
@@ -73,12 +104,12 @@ class ModelRunner:
         def attn(i, q, k_raw, k_rot, v):
             pool.write(i, slots_t, k_rot, v)
             if not chunks:
-                return paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens)
+                return decode_attn(i, q)
             if n_dec == 0 and len(chunks) == 1 and chunks[0][2] == 0:
                 return attend_chunk(q, k_rot, v, 0)  # a first chunk sees only itself
             out = torch.empty_like(q)
             if n_dec:
-                out[:n_dec] = paged_decode_attention(q[:n_dec], pool.k[i], pool.v[i], tables, lens)
+                out[:n_dec] = decode_attn(i, q[:n_dec])
             for off, n, start, table in chunks:
                 k, vv = pool.gather(i, table, start + n)
                 out[off : off + n] = attend_chunk(q[off : off + n], k, vv, start)

@@ -16,6 +16,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens even past end-of-sequence (benchmarks)
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

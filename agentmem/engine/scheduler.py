@@ -2,7 +2,8 @@
 
 Every step first gives each running sequence that is decoding its one token (so a long
 prompt arriving never stalls the streams already running), then spends at most
-`prefill_chunk` tokens on prompts, oldest first, admitting waiting requests while there is
+`prefill_chunk` tokens on prompts, oldest first (`idle_chunk` when no sequence is decoding:
+there is nothing to stall then, and one large forward is faster than many small ones), admitting waiting requests while there is
 room in the batch and in the KV pool. When a decode needs a block and the pool is full, the
 most recently admitted sequence is preempted: its blocks are freed and it is recomputed later
 (its full blocks usually stay cached, so the recompute is mostly prefix hits).
@@ -25,12 +26,13 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, prefill_chunk: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, prefill_chunk: int, idle_chunk: int = 8192):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
         self.blocks = blocks
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.idle_chunk = max(idle_chunk, prefill_chunk)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -71,7 +73,7 @@ class Scheduler:
                     batch = [s for s in batch if s.seq is not victim]
                     if victim is seq:
                         break
-        budget = self.prefill_chunk
+        budget = full = self.prefill_chunk if batch else self.idle_chunk
         for seq in self.running:
             if seq.num_pending > 1 and budget > 0:
                 n = min(seq.num_pending, budget)
@@ -80,7 +82,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and budget > 0:
             seq = self.waiting[0]
             plan = seq.parts is not None
-            if plan and budget < self.prefill_chunk:
+            if plan and budget < full:
                 break  # a planner prefill runs alone in its step's prefill budget
             if not self.blocks.can_allocate(seq, reserve=len(self.running)):
                 break

@@ -45,6 +45,9 @@ def paged_decode_attention_ref(
     k = k_pool[tables].view(batch, length, kv_heads, hd).transpose(1, 2)
     v = v_pool[tables].view(batch, length, kv_heads, hd).transpose(1, 2)
     mask = torch.arange(length, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]
+    # slots past seq_len may hold anything, NaN included, and a zero softmax weight times NaN is NaN
+    k = torch.where(mask[:, None, :, None], k, 0)
+    v = torch.where(mask[:, None, :, None], v, 0)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )[:, :, 0, :]
@@ -62,8 +65,23 @@ def selected_attention_ref(
     """Queries q [Nq,H,hd] at q_pos against k/v [Nk,KV,hd] at k_pos, query i seeing key j iff
     k_pos[j] <= q_pos[i] (the engine's `attend`, with an optional scale). A query that sees
     no key has no defined output here (NaN); the kernel writes zeros there."""
-    mask = k_pos[None, :] <= q_pos[:, None]
+    return sdpa(q, k, v, k_pos[None, :] <= q_pos[:, None], scale)
+
+
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """SDPA in the engine's token-major layout: q [Nq,H,hd], k/v [Nk,KV,hd], a boolean mask
+    [Nq,Nk] (None: causal, queries and keys both at 0..N-1) -> [Nq,H,hd]. Torch gets 4-D
+    batches of one: given 3-D inputs, its CPU dispatch falls back to the unfused math
+    kernel, several times slower than the flash kernel it picks for 4-D."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=None if mask is None else mask[None, None],
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
