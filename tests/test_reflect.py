@@ -101,6 +101,7 @@ def test_reflect_supersedes_merges_and_is_idempotent(store):
         "The user likes hiking.",
     }
     assert facts["The user lives in Lisbon."].source_ids == [first[0].id]
+    assert facts["The user lives in Lisbon."].event_time == first[0].time  # when it was said, not when reflected
     assert len(r1.facts_added) == 4
 
     assert reflect(store, None, "t1", "u1", use_model=False).facts_added == []  # rerun adds nothing
