@@ -1,0 +1,252 @@
+"""Chunk KV reuse: identity, the tiered store, prefix reuse, the CacheBlend fuser, and the
+planner inside engine.generate. Short chunks keep it cheap; the model is the shared fp32 one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentmem.config import Config
+from agentmem.engine import Engine, Segment, attend
+from agentmem.engine.kernels import rope_ref
+from agentmem.kvreuse import (
+    ChunkKV,
+    ChunkReuse,
+    ChunkStore,
+    chunk_key,
+    enable_chunk_reuse,
+    get_reuse,
+    place_k,
+)
+from agentmem.kvreuse.bench import kl
+
+FACTS = [
+    "- 2024-03-02 the user said: \"My cat is called Miso and she is four years old.\"\n",
+    "- 2024-04-11 the user said: \"I moved to Lyon last spring for a job at a bakery.\"\n",
+    "- 2024-05-19 the user said: \"My sister Clara works as a pilot and lives in Porto.\"\n",
+    "- 2024-06-23 the user said: \"I am learning the cello and practise every Tuesday.\"\n",
+]
+QUESTIONS = ["What is my cat called?", "Where does my sister live?", "Which instrument am I learning?"]
+
+
+def view(engine: Engine, tmp_path, **kw) -> Engine:
+    """A second Engine on the shared model, so installing a planner leaves the fixture alone."""
+    cfg = Config(dtype="float32", device="cpu", kv_disk_dir=tmp_path, **kw)
+    return Engine(engine.model, engine.tokenizer, engine.model_id, engine.device, cfg)
+
+
+def prompt(engine: Engine, order: list[int], question: str, namespace: str = "") -> list[Segment]:
+    sys_open, sys_close = engine.chat.wraps["system"]
+    segs = [Segment(f"{sys_open}You are a helpful assistant with notes about the user.\n", tier="system")]
+    segs += [Segment(FACTS[i], tier="recall", ref=f"m{i}") for i in order]
+    segs += [Segment(sys_close, tier="system"), Segment(engine.format_message("user", question), tier="user"),
+             Segment(engine.chat.generation_prefix, cacheable=False, tier="generation")]
+    for s in segs:
+        s.namespace = namespace
+    return segs
+
+
+def memories(namespace: str = "") -> list[Segment]:
+    return [Segment(f, tier="recall", namespace=namespace) for f in FACTS]
+
+
+@pytest.fixture(scope="module")
+def warm(engine, tmp_path_factory):
+    """A blend-mode ChunkReuse whose memory chunks are precomputed."""
+    e = view(engine, tmp_path_factory.mktemp("chunks"), kv_mode="blend")
+    reuse = enable_chunk_reuse(e)
+    assert reuse.precompute(memories()) == sum(len(e.encode(f)) for f in FACTS)
+    return e, reuse
+
+
+def kv_entry(layers=2, tokens=4, fill=0.0) -> ChunkKV:
+    shape = (layers, tokens, 3, 8)
+    return ChunkKV(torch.full(shape, float(fill)), torch.full(shape, float(fill) + 1))
+
+
+# --- identity and the store ------------------------------------------------------------------
+def test_chunk_key_depends_on_model_dtype_ids_and_namespace():
+    base = chunk_key("m", torch.float32, [1, 2, 3], "a")
+    assert base == chunk_key("m", torch.float32, [1, 2, 3], "a")
+    others = {chunk_key("m2", torch.float32, [1, 2, 3], "a"), chunk_key("m", torch.bfloat16, [1, 2, 3], "a"),
+              chunk_key("m", torch.float32, [1, 2, 4], "a"), chunk_key("m", torch.float32, [1, 2, 3], "b"),
+              chunk_key("m", torch.float32, [1, 2], "a")}
+    assert base not in others and len(others) == 5
+
+
+def test_lru_respects_its_byte_budget_and_spills_to_disk(tmp_path):
+    size = kv_entry().nbytes
+    budget = int(2.5 * size)
+    store = ChunkStore([("cpu", budget)], tmp_path)
+    store.put("k0", "", kv_entry(fill=0))
+    store.put("k1", "", kv_entry(fill=1))
+    assert store.get("k0") is not None  # k1 is now the least recently used
+    store.put("k2", "", kv_entry(fill=2))
+    s = store.stats()
+    assert set(store.tiers[0].entries) == {"k0", "k2"} and s["ram_bytes"] == 2 * size <= budget
+    assert s["evictions"] == 1 and s["disk_bytes"] > size
+    spilled = store.get("k1")  # read back from disk, intact; k0 leaves RAM for it
+    assert spilled is not None and torch.equal(spilled.k, kv_entry(fill=1).k) and torch.equal(spilled.v, kv_entry(fill=1).v)
+    assert set(store.tiers[0].entries) == {"k2", "k1"} and store.stats()["ram_bytes"] <= budget
+    assert store.stats()["evictions"] == 2 and store.stats()["hits"] == 2
+    reopened = ChunkStore([("cpu", 10 * size)], tmp_path)  # the disk tier survives a restart
+    assert torch.equal(reopened.get("k0").k, kv_entry(fill=0).k)
+
+
+def test_an_entry_larger_than_ram_goes_to_disk(tmp_path):
+    store = ChunkStore([("cpu", 10)], tmp_path)
+    store.put("big", "", kv_entry())
+    assert store.stats()["ram_bytes"] == 0 and store.get("big") is not None
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "garbage"])
+def test_a_corrupt_or_torn_disk_entry_is_a_miss(tmp_path, damage):
+    store = ChunkStore([("cpu", 1)], tmp_path)  # everything spills
+    store.put("k", "ns", kv_entry(fill=2.0))
+    path = store.disk.path("k", "ns")
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-7] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = bytearray(b"not a chunk file at all")
+    path.write_bytes(bytes(data))
+    assert store.get("k") is None
+    assert store.stats()["misses"] == 1 and store.stats()["hits"] == 0
+    assert not path.exists() and store.stats()["disk_bytes"] == 0
+
+
+def test_drop_namespace_removes_every_tier(tmp_path):
+    size = kv_entry().nbytes
+    store = ChunkStore([("cpu", size), ("cpu", size)], tmp_path)  # two memory tiers, then disk
+    for i in range(4):
+        store.put(f"a{i}", "tenant-a", kv_entry(fill=i))
+    store.put("b0", "tenant-b", kv_entry())
+    assert store.drop_namespace("tenant-a") == 4
+    assert all(store.get(f"a{i}") is None for i in range(4))
+    assert store.get("b0") is not None
+    assert not any(p.parent.name == store.disk.namespace_dir("tenant-a") for p in tmp_path.glob("*/*"))
+
+
+# --- the fuser -------------------------------------------------------------------------------
+def test_rerotated_k_equals_k_computed_at_the_new_positions(engine):
+    ids = engine.encode("The lighthouse keeper counted ships until the fog rolled in.")
+    n, shift = len(ids), 37
+    got = {}
+
+    def capture(at):
+        pos = torch.arange(at, at + n)
+
+        def attn(i, q, k_raw, k_rot, v):
+            got.setdefault(at, []).append((k_raw, k_rot))
+            return attend(q, k_rot, v, pos, pos)
+
+        engine.model(torch.tensor(ids), pos, attn)
+
+    capture(0)
+    capture(shift)
+    raw = torch.stack([k for k, _ in got[0]])  # K before RoPE, computed at positions 0..n-1
+    at_new = torch.stack([k for _, k in got[shift]])  # K computed at shift..shift+n-1
+    moved = place_k(engine.model, raw, torch.arange(shift, shift + n))
+    assert (moved - at_new).abs().max().item() < 1e-4
+    # the CUDA path rotates with the kernel; its reference gives the same K
+    flat = raw.transpose(0, 1).reshape(n, -1, raw.shape[-1])
+    ref = rope_ref(flat, torch.arange(shift, shift + n), engine.model.rotary.inv_freq)
+    assert (ref.view(n, raw.shape[0], *raw.shape[2:]).transpose(0, 1) - moved).abs().max().item() < 1e-5
+
+
+def test_blend_at_ratio_one_gives_the_full_logits(warm):
+    e, reuse = warm
+    parts = e.tokenize_prompt(prompt(e, [2, 0, 3], QUESTIONS[1]))
+    full = reuse.plan(parts, mode="full", store=False)
+    one = reuse.plan(parts, mode="blend", ratio=1.0, store=False)
+    assert one.reused == 0 and one.recomputed > 0
+    assert torch.equal(one.last_logits, full.last_logits)
+    assert all(torch.equal(a, b) for a, b in zip(one.k + one.v, full.k + full.v, strict=True))
+
+
+def test_blend_is_closer_to_full_than_reuse(warm):
+    e, reuse = warm
+    kls = {"reuse": [], "blend": []}
+    for order, q in [([1, 0, 2], QUESTIONS[0]), ([3, 2, 1, 0], QUESTIONS[1]), ([0, 3, 2], QUESTIONS[2])]:
+        parts = e.tokenize_prompt(prompt(e, order, q))
+        full = reuse.plan(parts, mode="full", store=False)
+        for mode in kls:
+            r = reuse.plan(parts, mode=mode, store=False)
+            kls[mode].append(kl(full.last_logits, r.last_logits))
+            assert r.reused > 0 and r.prefilled > 0
+    assert sum(kls["blend"]) < sum(kls["reuse"])
+    assert sum(kls["reuse"]) > 0
+
+
+def test_stats_count_each_token_once(warm):
+    e, reuse = warm
+    parts = e.tokenize_prompt(prompt(e, [3, 1], QUESTIONS[2]))
+    r = reuse.plan(parts, mode="blend", store=False)
+    assert r.reused + r.recomputed + r.prefilled == sum(len(p[0]) for p in parts)
+    hows = [s["how"] for s in r.segments]
+    assert hows[1:3] == ["blended", "blended"] and hows[-1] == "prefilled"
+    assert [s["tokens"] for s in r.segments] == [len(p[0]) for p in parts]
+    assert 0 < r.recomputed < sum(s["tokens"] for s in r.segments[1:3])
+
+
+def test_prefix_reuse_is_exact_and_new_segments_are_stored(engine, tmp_path):
+    e = view(engine, tmp_path, kv_mode="blend")
+    reuse = ChunkReuse(e)
+    parts = e.tokenize_prompt(prompt(e, [0, 1], QUESTIONS[0]))
+    first = reuse.plan(parts)
+    assert first.reused == 0 and first.prefilled == sum(len(p[0]) for p in parts)
+    again = reuse.plan(parts)
+    assert [s["how"] for s in again.segments] == ["reused"] * (len(parts) - 1) + ["prefilled"]
+    assert again.prefilled == len(parts[-1][0]) and again.recomputed == 0
+    full = reuse.plan(parts, mode="full", store=False)
+    assert (again.last_logits - full.last_logits).abs().max().item() < 1e-3
+    # a new order: the first segment is still an exact prefix, the moved ones are blended
+    moved = reuse.plan(e.tokenize_prompt(prompt(e, [1, 0], QUESTIONS[0])), store=False)
+    assert [s["how"] for s in moved.segments][:3] == ["reused", "blended", "blended"]
+    assert reuse.stats()["hits"] > 0 and reuse.stats()["misses"] > 0
+
+
+def test_namespaces_never_share_entries(engine, tmp_path):
+    e = view(engine, tmp_path, kv_mode="blend")
+    reuse = ChunkReuse(e)
+    assert reuse.precompute(memories("tenant-a")) > 0
+    assert reuse.precompute(memories("tenant-a")) == 0  # already cached
+    b = reuse.plan(e.tokenize_prompt(prompt(e, [0, 1], QUESTIONS[0], namespace="tenant-b")), store=False)
+    assert b.reused == b.recomputed == 0
+    a = reuse.plan(e.tokenize_prompt(prompt(e, [0, 1], QUESTIONS[0], namespace="tenant-a")), store=False)
+    assert a.reused > 0
+    assert reuse.drop_namespace("tenant-a") == len(FACTS)
+    again = reuse.plan(e.tokenize_prompt(prompt(e, [0, 1], QUESTIONS[0], namespace="tenant-a")), store=False)
+    assert again.reused == 0
+    assert set(reuse.stats()) >= {"hits", "misses", "evictions", "ram_bytes", "disk_bytes", "hit_ratio"}
+
+
+# --- wired into the engine -------------------------------------------------------------------
+def test_generate_with_segments_reports_reuse(warm):
+    e, reuse = warm
+    assert get_reuse(e) is reuse and enable_chunk_reuse(e) is reuse  # idempotent
+    g = e.generate(prompt(e, [3, 0, 1], QUESTIONS[0]), max_tokens=6)
+    s = g.stats
+    assert s.reused_tokens > 0 and s.recomputed_tokens > 0 and s.prefilled_tokens > 0
+    assert s.reused_tokens + s.recomputed_tokens + s.prefilled_tokens == s.prompt_tokens
+    assert [x["how"] for x in s.segments][1:4] == ["blended"] * 3
+    assert 0 < s.ttft_s <= s.total_s and s.completion_tokens >= 1
+    plain = e.generate("Describe a quiet morning.", max_tokens=2)  # a plain string is not planned
+    assert plain.stats.reused_tokens == plain.stats.recomputed_tokens == 0 and plain.stats.segments == []
+
+
+def test_engine_load_installs_reuse_unless_full(engine, tmp_path, monkeypatch):
+    import agentmem.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "resolve_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(engine_mod, "load_transformer", lambda *a: engine.model)
+    monkeypatch.setattr(engine_mod, "load_tokenizer", lambda *a: engine.tokenizer)
+    blended = Engine.load(Config(dtype="float32", device="cpu", kv_disk_dir=tmp_path))
+    assert isinstance(get_reuse(blended), ChunkReuse) and blended._planner is get_reuse(blended)
+    plain = Engine.load(Config(dtype="float32", device="cpu", kv_mode="full"))
+    assert get_reuse(plain) is None and plain._planner is None
+    assert engine._planner is None  # the shared fixture keeps plain prefill
