@@ -60,7 +60,7 @@ class Config(BaseSettings):
     kv_mode: str = "blend"  # full | reuse | blend
     blend_ratio: float = 0.15
     blend_check_layer: int = 1  # layers 0..this run every token; the selection is made here
-    blend_metric: str = "k"  # k | v | kv: which deviation picks the tokens to recompute
+    blend_metric: str = "v"  # k | v | kv: which deviation (at the check layer) picks the tokens to recompute
     kv_ram_bytes: int = 1 << 30
     kv_gpu_bytes: int = 2 << 30  # on CUDA, the tier above RAM
     kv_disk_dir: Path | None = None  # default: <cache_dir>/chunks
