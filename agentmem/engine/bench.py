@@ -1,0 +1,335 @@
+"""`agentmem bench engine`: the engine against HF transformers, in one run, on one machine.
+
+What is measured (each figure is the best of `--repeats` runs, ours and the peer's runs
+interleaved, so both see the same load on a shared machine):
+
+- prefill: a `--prompt-tokens` prompt (default 2048) to its first token. Ours goes through
+  `Engine.generate` (scheduler, paged pool); HF runs `model(ids, use_cache=True,
+  logits_to_keep=1)`, which is what its `generate()` does for a prompt.
+- decode: one stream, `--new-tokens` greedy tokens (default 128) after a short chat
+  prompt; the first token (prefill) is excluded on both sides. HF runs `generate()` with
+  its KV cache.
+- batch: `--streams` concurrent streams (default 8) through the scheduler; decode
+  throughput of all streams together, and KV utilisation (used / allocated KV bytes of the
+  paged pool over the run; `kv_utilization_reserved` is the same for a contiguous cache
+  that reserves prompt + max_tokens per request, the best case of pre-paging servers).
+- max_logit_err: fp32 logits of ours vs HF `LlamaForCausalLM` on 512 prompt tokens.
+- the machine: matmul rate (fp32, bf16, the bench dtype) and memory copy bandwidth, to say
+  how far each figure is from what the hardware allows.
+
+The peer runs in the same dtype, on the same threads, under `torch.inference_mode()`.
+llama-cpp-python on the same GGUF is timed too when it happens to be importable (it runs
+the GGUF's own quantized weights, so it is a reference point, not a same-dtype peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config
+from .engine import Engine, Segment
+from .loop import EngineLoop
+from .model import ModelArgs
+from .weights import resolve_model_dir
+
+_SUBJECTS = ["The harbour master", "A young baker", "The old lighthouse keeper", "Our neighbour", "The committee",
+             "A travelling musician", "The river pilot", "My grandmother", "The night nurse", "A clockmaker"]
+_VERBS = ["remembered", "wrote down", "argued about", "forgot", "explained", "measured", "repaired", "sold",
+          "painted", "described"]
+_OBJECTS = ["the winter storms of that year", "a recipe for rye bread", "the price of copper wire",
+            "the names of every ship in the bay", "a map of the northern hills", "the broken station clock",
+            "the letters from the coast", "an argument about the new bridge", "the orchard behind the school",
+            "a song about the salt marshes"]
+_TOPICS = ["a dragon who learns to bake bread", "a lighthouse on a distant island", "a city under the sea",
+           "a robot that collects stamps", "two rival chess clubs", "a winter market in the mountains",
+           "a cat who runs a post office", "the last train of the night", "a garden on the moon",
+           "a detective who cannot read"]
+
+
+def prose_ids(engine: Engine, n_tokens: int, seed: int = 0) -> list[int]:
+    """Exactly n_tokens ids of varied, seeded English prose (no repeated blocks to share)."""
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} on day {rng.randint(1, 999)}. "
+        ids += engine.encode(sentence)
+    return ids[:n_tokens]
+
+
+def story_prompt(engine: Engine, i: int, tag: int = 0) -> list[Segment]:
+    topic = _TOPICS[i % len(_TOPICS)]
+    return engine.chat_segments([{"role": "user", "content": f"({tag}) Write a long story about {topic}."}])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+# --- the machine ------------------------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_gflops(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0) -> float:
+    """Best rate of F.linear on the model's largest projection shape (tokens x 576 -> 1536)."""
+    m = 1024 if dtype == torch.float32 or device.type == "cuda" else 256  # emulated bf16 is slow
+    x = torch.randn(m, 576, device=device).to(dtype)
+    w = torch.randn(1536, 576, device=device).to(dtype)
+    F.linear(x, w)
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        dt = _seconds(lambda: F.linear(x, w), device)
+        best, spent = min(best, dt), spent + dt
+    return 2 * m * 576 * 1536 / best / 1e9
+
+
+def copy_gb_s(device: torch.device, n_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Best memory copy rate, bytes read + bytes written per second."""
+    x = torch.ones(n_bytes // 4, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = min(_seconds(lambda: y.copy_(x), device) for _ in range(repeats))
+    return 2 * n_bytes / best / 1e9
+
+
+def prefill_flops(a: ModelArgs, n: int) -> float:
+    """FLOPs of a prefill of n tokens with logits of the last token only."""
+    hd = a.head_dim
+    linear = 2 * n * a.dim * ((a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd + 3 * a.hidden_dim)
+    attention = 4 * a.n_heads * hd * n * (n + 1) / 2  # causal QK^T and PV
+    return a.n_layers * (linear + attention) + 2 * a.dim * a.vocab_size
+
+
+def decode_weight_bytes(a: ModelArgs, itemsize: int) -> int:
+    """Weight bytes one decode step reads: every projection and the LM head."""
+    hd = a.head_dim
+    per_layer = a.dim * ((a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd + 3 * a.hidden_dim)
+    return (a.n_layers * per_layer + a.vocab_size * a.dim) * itemsize
+
+
+# --- the runs ---------------------------------------------------------------------------------
+def ours_prefill_s(engine: Engine, loop: EngineLoop, ids: list[int]) -> float:
+    return engine.generate(ids, max_tokens=1, loop=loop).stats.ttft_s
+
+
+def ours_decode_tok_s(engine: Engine, loop: EngineLoop, prompt, new_tokens: int) -> float:
+    s = engine.generate(prompt, max_tokens=new_tokens, ignore_eos=True, loop=loop).stats
+    return (s.completion_tokens - 1) / (s.total_s - s.ttft_s)
+
+
+def ours_batch(engine: Engine, loop: EngineLoop, prompts, new_tokens: int) -> tuple[float, float, float]:
+    """(decode tok/s of all streams together, paged KV utilisation, contiguous-reserve one)."""
+    loop.reset_stats()
+    t0 = time.perf_counter()
+    streams = [engine.stream(p, max_tokens=new_tokens, ignore_eos=True, loop=loop) for p in prompts]
+    for s in streams:
+        for _ in s:
+            pass
+    t_end = time.perf_counter()
+    stats = [s.result.stats for s in streams]
+    first = max(st.ttft_s for st in stats)
+    rate = sum(st.completion_tokens - 1 for st in stats) / (t_end - t0 - first)
+    lens = [st.prompt_tokens for st in stats]
+    # a contiguous cache holds prompt + max_tokens slots per request from its first step
+    reserved = sum(sum(p + t for p in lens) / sum(p + new_tokens for p in lens) for t in range(new_tokens))
+    return rate, loop.kv_utilization(), reserved / new_tokens
+
+
+def hf_prefill_s(hf, ids: list[int], device: torch.device) -> float:
+    x = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        return _seconds(lambda: hf(x, use_cache=True, logits_to_keep=1), device)
+
+
+def hf_generate_s(hf, ids: list[int], new_tokens: int, device: torch.device) -> float:
+    x = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        return _seconds(
+            lambda: hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False),
+            device,
+        )
+
+
+def max_logit_err(engine: Engine, hf, ids: list[int]) -> float:
+    ours = engine.logits(ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids], device=engine.device)).logits[0].float()
+    return float((ours - ref).abs().max())
+
+
+def llamacpp_figures(ids: list[int], short: list[int], new_tokens: int, threads: int) -> dict:
+    """llama-cpp-python on the default GGUF, if it is importable; never a dependency."""
+    try:
+        import llama_cpp  # type: ignore[import-not-found]
+    except ImportError:
+        return {"llamacpp_prefill_tok_s": None, "llamacpp_decode_tok_s": None}
+    try:
+        import numpy as np
+
+        from .weights import default_gguf
+
+        llm = llama_cpp.Llama(model_path=str(default_gguf()), n_ctx=len(ids) + new_tokens + 64,
+                              n_threads=threads, verbose=False)
+        llm.eval(short)
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        prefill = len(ids) / (time.perf_counter() - t0)
+        llm.reset()
+        llm.eval(short)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        decode = (new_tokens - 1) / (time.perf_counter() - t0)
+        return {"llamacpp_prefill_tok_s": round(prefill, 1), "llamacpp_decode_tok_s": round(decode, 1)}
+    except Exception as exc:  # a broken optional peer must not sink the benchmark
+        return {"llamacpp_prefill_tok_s": None, "llamacpp_decode_tok_s": None, "llamacpp_error": repr(exc)}
+
+
+def load_hf(path, dtype: torch.dtype, device: torch.device):
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    return LlamaForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="agentmem bench engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke test")
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (ours and the peer)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.new_tokens, args.repeats = min(args.prompt_tokens, 256), min(args.new_tokens, 16), 1
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    engine = Engine.load(Config(dtype=args.dtype, device=args.device, kv_mode="full"))  # the plain engine, no chunk reuse
+    device, dtype, margs = engine.device, engine.dtype, engine.model.args
+    path = resolve_model_dir(engine.config.model_path, engine.config.cache_dir)
+    hf = load_hf(path, dtype, device)
+    ids = prose_ids(engine, args.prompt_tokens)
+    chat = story_prompt(engine, 0)
+    chat_ids = [t for s in chat for t in engine.encode(s.text)]
+    loop = EngineLoop(engine, pool_tokens=max(engine.config.kv_pool_tokens, 2 * args.prompt_tokens))
+    ours_prefill_s(engine, loop, ids[:64])  # warm up both
+    hf_prefill_s(hf, ids[:64], device)
+
+    log(f"prefill {args.prompt_tokens} tokens ...")
+    ours_pf, hf_pf = [], []
+    for r in range(args.repeats):
+        rotated = ids[r:] + ids[:r]  # a different first block each time: no prefix-cache hits
+        ours_pf.append(ours_prefill_s(engine, loop, rotated))
+        hf_pf.append(hf_prefill_s(hf, rotated, device))
+
+    log(f"decode {args.new_tokens} tokens, one stream ...")
+    ours_dec, hf_one, hf_all = [], [], []
+    for _ in range(args.repeats):
+        ours_dec.append(ours_decode_tok_s(engine, loop, chat, args.new_tokens))
+        hf_one.append(hf_generate_s(hf, chat_ids, 1, device))
+        hf_all.append(hf_generate_s(hf, chat_ids, args.new_tokens, device))
+    hf_decode = (args.new_tokens - 1) / (min(hf_all) - min(hf_one))
+
+    log(f"decode {args.new_tokens} tokens, {args.streams} streams ...")
+    batch = [ours_batch(engine, loop, [story_prompt(engine, i, tag=r) for i in range(args.streams)], args.new_tokens)
+             for r in range(args.repeats)]
+    rate, util, reserved = max(batch)
+
+    log("logits vs HF in fp32 ...")
+    err_ids = ids[:512]
+    if dtype == torch.float32:
+        err = max_logit_err(engine, hf, err_ids)
+    else:
+        del hf
+        err = max_logit_err(Engine.load(Config(dtype="float32", device=args.device)),
+                            load_hf(path, torch.float32, device), err_ids)
+
+    log("machine ...")
+    fp32_peak = matmul_gflops(torch.float32, device)
+    bf16_peak = matmul_gflops(torch.bfloat16, device)
+    peak = {torch.float32: fp32_peak, torch.bfloat16: bf16_peak}.get(dtype) or matmul_gflops(dtype, device)
+    mem = copy_gb_s(device)
+    prefill = args.prompt_tokens / min(ours_pf)
+    decode = max(ours_dec)
+    bound = mem * 1e9 / decode_weight_bytes(margs, torch.finfo(dtype).bits // 8)
+    result = {
+        "prefill_tok_s": round(prefill, 1),
+        "hf_prefill_tok_s": round(args.prompt_tokens / min(hf_pf), 1),
+        "decode_tok_s": round(decode, 2),
+        "hf_decode_tok_s": round(hf_decode, 2),
+        "batch8_decode_tok_s" if args.streams == 8 else f"batch{args.streams}_decode_tok_s": round(rate, 1),
+        "max_logit_err": err,
+        "kv_utilization": round(util, 4),
+        "dtype": str(dtype).removeprefix("torch."),
+        "prefill_speedup_vs_hf": round(prefill * min(hf_pf) / args.prompt_tokens, 2),
+        "decode_speedup_vs_hf": round(decode / hf_decode, 2),
+        "batch_speedup_vs_single": round(rate / decode, 2),
+        "kv_utilization_reserved": round(reserved, 4),
+        "machine_matmul_gflops": round(peak, 1),
+        "machine_fp32_matmul_gflops": round(fp32_peak, 1),
+        "machine_bf16_matmul_gflops": round(bf16_peak, 1),
+        "machine_mem_gb_s": round(mem, 1),
+        "prefill_pct_of_matmul_peak": round(100 * prefill * prefill_flops(margs, args.prompt_tokens)
+                                            / args.prompt_tokens / (peak * 1e9), 1),
+        "decode_bound_tok_s": round(bound, 1),
+        "decode_pct_of_bandwidth_bound": round(100 * decode / bound, 1),
+        **llamacpp_figures(ids, chat_ids, args.new_tokens, threads),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "streams": args.streams,
+        "repeats": args.repeats,
+        "threads": threads,
+        "device": _device_name(device),
+        "cpus": os.cpu_count(),
+        "model": engine.model_id,
+        "peer": "HF transformers LlamaForCausalLM, same dtype/threads/device, KV cache on, torch.inference_mode; "
+        "prefill = forward(use_cache=True, logits_to_keep=1), decode = greedy generate()",
+        "method": "best of `repeats` interleaved runs; decode excludes the first token; prefill ours = "
+        "Engine.generate time to first token",
+    }
+    if not args.json:
+        for key, value in result.items():
+            log(f"{key:>32}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
