@@ -63,7 +63,7 @@ class Config(BaseSettings):
     blend_metric: str = "v"  # k | v | kv: which deviation (at the check layer) picks the tokens to recompute
     kv_ram_bytes: int = 1 << 30
     kv_gpu_bytes: int = 2 << 30  # on CUDA, the tier above RAM
-    kv_disk_dir: Path | None = None  # default: <cache_dir>/chunks
+    kv_disk_dir: Path | None = None  # default: <data_dir>/chunks (KV of users' memories is user data)
     kv_disk_bytes: int = 8 << 30
 
     def resolved_db_url(self) -> str:

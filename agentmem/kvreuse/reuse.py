@@ -27,7 +27,7 @@ def store_from_config(config: Config, device: torch.device) -> ChunkStore:
     if device.type == "cuda":
         tiers.append((device, config.kv_gpu_bytes))
     tiers.append(("cpu", config.kv_ram_bytes))
-    disk = config.kv_disk_dir or Path(config.cache_dir) / "chunks"
+    disk = config.kv_disk_dir or Path(config.data_dir) / "chunks"
     return ChunkStore(tiers, disk, config.kv_disk_bytes)
 
 
