@@ -5,7 +5,6 @@ metrics, and a short bounded load run."""
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 import time
@@ -188,34 +187,43 @@ def test_metrics_health_docs_and_tenant_delete(api, embedder, engine):
 
 
 def test_bounded_concurrent_load_has_no_errors(api):
-    """4 clients chat for a fixed few seconds; every request must succeed."""
-    url, keys, _ = api
+    """N clients (AGENTMEM_LOAD_CLIENTS, default 4) chat for a fixed time
+    (AGENTMEM_LOAD_SECONDS, default 6; each client stops after 20 turns): every request must
+    succeed. p50 / p99 are printed, not asserted."""
+    from agentmem.api.bench import percentile
+
+    clients = int(os.environ.get("AGENTMEM_LOAD_CLIENTS", "4"))
+    stop = time.monotonic() + float(os.environ.get("AGENTMEM_LOAD_SECONDS", "6"))
     latencies: list[float] = []
     errors: list[str] = []
-    stop = time.monotonic() + 6.0
 
     def worker(i: int) -> None:
-        c = client(api)
-        n = 0
-        while time.monotonic() < stop and n < 20:
-            t = time.perf_counter()
-            r = c.post("/v1/chat/completions", json={"max_tokens": 6, "user": f"load{i}",
-                                                     "messages": [{"role": "user", "content": f"Count to {n}."}]})
-            (latencies if r.status_code == 200 else errors).append(time.perf_counter() - t)
-            if r.status_code != 200:
-                errors.append(r.text)
-            n += 1
+        with client(api) as c:
+            n = 0
+            while time.monotonic() < stop and n < 20:
+                t = time.perf_counter()
+                try:
+                    r = c.post("/v1/chat/completions", json={
+                        "max_tokens": 6, "user": f"load{i}", "messages": [{"role": "user", "content": f"Count to {n}."}]})
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+                    return
+                if r.status_code == 200:
+                    latencies.append(time.perf_counter() - t)
+                else:
+                    errors.append(f"{r.status_code} {r.text}")
+                n += 1
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
-    assert not errors
-    assert len(latencies) >= 4
+        t.join(timeout=300)
+    assert not errors, errors[:3]
+    assert len(latencies) >= clients
     lat = sorted(latencies)
-    p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-    print(f"\nload: {len(lat)} chats from 4 clients, p50 {p50:.2f} s, p99 {p99:.2f} s")
+    print(f"\nload: {len(lat)} chats from {clients} clients, p50 {percentile(lat, 0.5):.2f} s, "
+          f"p99 {percentile(lat, 0.99):.2f} s")
 
 
 def _concurrent_chats(url: str, key: str, n: int, tag: str) -> list[dict]:
@@ -370,3 +378,16 @@ def test_two_replicas_on_postgresql_share_tenants_and_memory(engine, embedder, p
             srv.__exit__(None, None, None)
         for st in stores:
             st.close()
+
+
+def test_bench_measure_reports_each_request(api):
+    """The bench's client loop against the live server (the full `agentmem bench serve` runs
+    two server processes and is run by hand)."""
+    from agentmem.api.bench import main, measure, percentile
+
+    url, keys, _ = api
+    r = measure(url, keys["acme"][1], clients=2, requests=2, max_tokens=2, prefix="bench")
+    assert (r["clients"], r["requests"], r["errors"]) == (2, 4, 0)
+    assert 0 < r["p50_s"] <= r["p99_s"] <= r["wall_s"] and r["throughput_req_s"] > 0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+    assert main(["--levels", "0"]) == 2
