@@ -4,6 +4,7 @@ metrics, and a short bounded load run."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import threading
@@ -23,7 +24,8 @@ from agentmem.tiers.store import MemoryStore
 
 @pytest.fixture(scope="module")
 def api(engine, embedder, tmp_path_factory):
-    cfg = engine.config.model_copy(update={"data_dir": tmp_path_factory.mktemp("api"), "db_url": None})
+    data = tmp_path_factory.mktemp("api")  # chunk KV of deleted tenants is dropped from here, not the user's cache
+    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": None, "kv_disk_dir": data / "chunks"})
     store = MemoryStore(cfg, embedder=embedder)
     keys = {name: create_tenant_with_key(store, name) for name in ("acme", "globex")}
     limits = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=64, rate_per_minute=10_000)
@@ -391,3 +393,42 @@ def test_bench_measure_reports_each_request(api):
     assert 0 < r["p50_s"] <= r["p99_s"] <= r["wall_s"] and r["throughput_req_s"] > 0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
     assert main(["--levels", "0"]) == 2
+
+
+def test_tenant_admin_command(tmp_path, capsys, monkeypatch):
+    """`agentmem tenant create | key | list | delete`: keys are printed once and stored only
+    as their hash; deleting a tenant stops its keys and removes its chunk KV from disk even
+    though no model is loaded."""
+    import json
+
+    monkeypatch.setenv("AGENTMEM_KV_DISK_DIR", str(tmp_path / "chunks"))
+
+    from agentmem.api.admin import main
+    from agentmem.api.auth import hash_key
+
+    def run(*argv: str) -> tuple[int, dict]:
+        rc = main(["--data-dir", str(tmp_path), "--json", *argv])
+        out = capsys.readouterr().out.strip()
+        return rc, json.loads(out) if out else {}
+
+    rc, made = run("create", "acme")
+    assert rc == 0 and made["api_key"].startswith("am-")
+    rc, extra = run("key", made["tenant_id"], "--name", "ci")
+    assert rc == 0 and extra["api_key"] != made["api_key"]
+    assert [t["id"] for t in run("list")[1]["tenants"]] == [made["tenant_id"]]
+    store = MemoryStore(Config(data_dir=tmp_path))
+    assert {store.tenant_for_key_hash(hash_key(k)) for k in (made["api_key"], extra["api_key"])} == {made["tenant_id"]}
+    db = (tmp_path / "agentmem.db").read_bytes()
+    assert made["api_key"].encode() not in db and hash_key(made["api_key"]).encode() in db
+    chunk = None
+    if importlib.util.find_spec("agentmem.kvreuse") is not None:
+        from agentmem.kvreuse.store import DiskTier
+
+        chunk = tmp_path / "chunks" / DiskTier.namespace_dir(made["tenant_id"]) / "0123abcd.kv"
+        chunk.parent.mkdir(parents=True)
+        chunk.write_bytes(b"left by an earlier run")
+    assert run("delete", made["tenant_id"])[0] == 0
+    assert store.tenant_for_key_hash(hash_key(made["api_key"])) is None
+    assert chunk is None or not chunk.exists()
+    store.close()
+    assert run("delete", made["tenant_id"])[0] == 1  # unknown tenant: an error, not a crash

@@ -15,7 +15,8 @@ from agentmem.tiers.store import MemoryStore
 
 @pytest.fixture(scope="module")
 def fuzz_server(engine, embedder, tmp_path_factory):
-    cfg = engine.config.model_copy(update={"data_dir": tmp_path_factory.mktemp("fuzz"), "db_url": None})
+    data = tmp_path_factory.mktemp("fuzz")
+    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": None, "kv_disk_dir": data / "chunks"})
     store = MemoryStore(cfg, embedder=embedder)
     _, key = create_tenant_with_key(store, "fuzz")
     store.add_memory(_, "u", "A seeded memory so that ids 1.. exist.")

@@ -113,7 +113,8 @@ def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
         cmd.append("--serial")
     if dtype:
         cmd += ["--dtype", dtype]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # chunk KV in the run's own directory: nothing carries over between runs or into the user's cache
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", AGENTMEM_KV_DISK_DIR=str(data_dir / "chunks"))
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
