@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("agentmem.engine.bench", "engine prefill/decode/batching vs HF transformers"),
+    "kernels": ("agentmem.engine.kernels.bench", "attention/RoPE kernels vs their torch peers"),
     "blend": ("agentmem.kvreuse.bench", "chunk-KV reuse: full vs reuse vs CacheBlend"),
     "memory": ("agentmem.bench_memory", "multi-session memory QA workload"),
     "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
