@@ -4,8 +4,9 @@ Each level runs a fixed number of chat turns per client (every client is its own
 every turn recalls memory and is stored, as in real use) against a real `agentmem serve`
 process on loopback, and reports throughput, p50/p99 latency and errors. The peer, measured
 in the same run on the same workload, is the same server started with `--serial`: one
-request at a time, as a server without a batching engine answers. The speedup per level is
-batched throughput over serial throughput.
+request at a time, as a server without a batching engine answers. Both servers are up for
+the whole run and each level runs on one, then at once on the other. The speedup per level
+is batched throughput over serial throughput.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -142,8 +143,9 @@ def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
                 proc.wait()
 
 
-def run_mode(root: Path, mode: str, levels: list[int], args) -> tuple[list[dict], str]:
-    """All levels against one fresh server (its own data dir and tenant)."""
+def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str]:
+    """A fresh server for `mode` (its own data dir and tenant), warmed by one unmeasured turn
+    (it loads the embedder and starts the engine loop); returns (url, key)."""
     from ..config import Config
     from ..tiers.store import MemoryStore
     from .auth import create_tenant_with_key
@@ -152,21 +154,11 @@ def run_mode(root: Path, mode: str, levels: list[int], args) -> tuple[list[dict]
     store = MemoryStore(Config(data_dir=data))
     _, key = create_tenant_with_key(store, f"bench-{mode}")
     store.close()
-    with server(data, mode == "serial", args.max_tokens, args.dtype) as url:
-        headers = {"Authorization": f"Bearer {key}"}
-        model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-        # first turn loads the embedder and starts the engine loop: not measured
-        warm = measure(url, key, 1, 1, args.max_tokens, f"{mode}-warm", args.stateless, args.timeout)
-        if warm["errors"]:
-            raise RuntimeError(f"warm-up request failed: {warm['error_samples']}")
-        out = []
-        for n in levels:
-            out.append(measure(url, key, n, args.requests, args.max_tokens, mode, args.stateless, args.timeout))
-            if not args.json:
-                r = out[-1]
-                print(f"  {mode:<8} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
-                      f"p99 {r['p99_s']:.2f} s, {r['errors']} errors", file=sys.stderr, flush=True)
-    return out, model
+    url = stack.enter_context(server(data, mode == "serial", args.max_tokens, args.dtype))
+    warm = measure(url, key, 1, 1, args.max_tokens, f"{mode}-warm", args.stateless, args.timeout)
+    if warm["errors"]:
+        raise RuntimeError(f"warm-up request failed: {warm['error_samples']}")
+    return url, key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,16 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         print("agentmem bench serve: levels, --requests and --max-tokens must be positive", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="agentmem-bench-serve-") as tmp:
-        batched, model = run_mode(Path(tmp), "batched", levels, args)
-        serial, _ = run_mode(Path(tmp), "serial", levels, args)
+    # both servers stay up and each level runs on one right after the other, so a change in
+    # the machine's other load hits both sides of a comparison alike
+    results: dict[str, list[dict]] = {"batched": [], "serial": []}
+    with tempfile.TemporaryDirectory(prefix="agentmem-bench-serve-") as tmp, ExitStack() as stack:
+        servers = {mode: start(stack, Path(tmp), mode, args) for mode in results}
+        url, key = servers["batched"]
+        model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+        for n in levels:
+            for mode, (url, key) in servers.items():
+                r = measure(url, key, n, args.requests, args.max_tokens, mode, args.stateless, args.timeout)
+                results[mode].append(r)
+                if not args.json:
+                    print(f"  {mode:<8} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
+                          f"p99 {r['p99_s']:.2f} s, {r['errors']} errors", file=sys.stderr, flush=True)
+    batched, serial = results["batched"], results["serial"]
     rows = []
     for b, s in zip(batched, serial, strict=True):
         speedup = b["throughput_req_s"] / s["throughput_req_s"] if s["throughput_req_s"] else 0.0
         rows.append({**b, "serial": s, "speedup": round(speedup, 3)})
     result = {
         "bench": "serve",
-        "model": model,
+        "model": model["data"][0]["id"],
         "workload": "stateless chat" if args.stateless else "chat turns with memory (one user per client)",
         "requests_per_client": args.requests,
         "max_tokens": args.max_tokens,
