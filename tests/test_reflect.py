@@ -324,6 +324,8 @@ def test_scheduler_runs_after_n_turns_or_idle(store):
     assert _facts(store, user="b") and "The user plays chess." in _facts(store, user="a")
     with pytest.raises(ValueError):
         ReflectionScheduler(store, None, every_turns=0)
+    store.delete_user("t1", "a")
+    assert sched.checkpoints.get("t1", "a") == 0 and sched.checkpoints.get("t1", "b") > 0
 
 
 def test_scheduler_thread_reflects_in_the_background(store):

@@ -35,6 +35,7 @@ class ReflectionScheduler:
         self.on_report = on_report
         self.reflect_kwargs = reflect_kwargs
         self.checkpoints = Checkpoints(store.archive.engine)
+        store.forget_hooks.append(self.checkpoints.forget)  # a deleted user's checkpoint goes too
         self._failed: dict[tuple[str, str], float] = {}  # -> monotonic time of the last failure
         self._wake = threading.Event()
         self._stop = threading.Event()
