@@ -27,7 +27,7 @@ from ..engine.model_runner import attend_chunk
 from .store import ChunkKV
 
 MODES = ("full", "reuse", "blend")
-METRICS = ("k", "v", "kv")
+METRICS = ("k", "v", "kv", "attn", "vattn")
 
 
 @dataclass
@@ -64,11 +64,38 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor) -> tor
     return x.view(n, layers, kv_heads, hd).transpose(0, 1)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, blocks: int = 8) -> torch.Tensor:
+    """Queries q [Nq,H,hd] at sorted positions q_pos over keys k/v [T,KV,hd] at positions
+    0..T-1, exact causal. On the CPU the queries go in `blocks` groups, each against the
+    keys up to its last position only, which spares about half of the masked work; on CUDA
+    the Triton kernel skips masked keys itself."""
+    pos = torch.arange(k.shape[0], device=k.device)
+    n = q.shape[0]
+    if q.is_cuda or n < 32 * blocks:
+        return selected_attention(q, k, v, q_pos, pos)
+    out = torch.empty_like(q)
+    cuts = [round(n * i / blocks) for i in range(blocks + 1)]
+    for s, e in zip(cuts, cuts[1:], strict=False):
+        end = int(q_pos[e - 1]) + 1
+        out[s:e] = selected_attention(q[s:e], k[:end], v[:end], q_pos[s:e], pos[:end])
+    return out
+
+
+def _attention_share(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """How much attention queries q [Nq,H,hd] pay to each key of k [T,KV,hd], summed over
+    queries and heads: [T]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    kk = k.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", q.float(), kk.float()) * q.shape[-1] ** -0.5
+    scores.masked_fill_(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
+    return torch.softmax(scores, dim=-1).sum((0, 1))
+
+
 def _deviation(old_k, old_v, new_k, new_v, metric: str) -> torch.Tensor:
     dev = torch.zeros(new_k.shape[0], device=new_k.device)
     if metric in ("k", "kv"):
         dev += (new_k.float() - old_k.float()).square().sum((1, 2))
-    if metric in ("v", "kv"):
+    if metric in ("v", "kv", "vattn"):
         dev += (new_v.float() - old_v.float()).square().sum((1, 2))
     return dev
 
@@ -140,6 +167,11 @@ def fuse(
             if idx == check:
                 crow = torch.searchsorted(rows, cached_idx)
                 d = _deviation(k_l[cached_idx], v_l[cached_idx], k_rot[crow], v[crow], metric)
+                if metric in ("attn", "vattn"):
+                    k_now = k_l.clone()
+                    k_now[start:] = k_rot
+                    share = _attention_share(q[new_rows], k_now, pos[new_idx], pos)[cached_idx]
+                    d = share if metric == "attn" else d * share
                 n_pick = min(len(cached_idx), math.ceil(ratio * len(cached_idx) - 1e-9))
                 picked.append(cached_idx[d.topk(n_pick).indices])
             if start is not None:
@@ -150,9 +182,9 @@ def fuse(
                 v_l.index_copy_(0, rows, v)
             if new_k_raw is not None:
                 new_k_raw[idx] = k_raw[new_rows]
-            if start is not None:
-                return attend_chunk(q, k_l, v_l, start)
-            return selected_attention(q, k_l, v_l, q_pos, pos)
+            if start == 0:
+                return attend_chunk(q, k_l, v_l, 0)
+            return attend_rows(q, k_l, v_l, q_pos)
 
         h = layer(h, q_pos, model.rotary, attn, model.rotary.cos_sin(q_pos))
         if i == check and i + 1 < a.n_layers:
