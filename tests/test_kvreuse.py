@@ -8,7 +8,7 @@ import torch
 
 from agentmem.config import Config
 from agentmem.engine import Engine, Segment, attend
-from agentmem.engine.kernels import rope_ref
+from agentmem.engine.kernels import rope_ref, selected_attention_ref
 from agentmem.kvreuse import (
     ChunkKV,
     ChunkReuse,
@@ -19,6 +19,7 @@ from agentmem.kvreuse import (
     place_k,
 )
 from agentmem.kvreuse.bench import kl
+from agentmem.kvreuse.fuser import attend_rows
 
 FACTS = [
     "- 2024-03-02 the user said: \"My cat is called Miso and she is four years old.\"\n",
@@ -156,6 +157,15 @@ def test_rerotated_k_equals_k_computed_at_the_new_positions(engine):
     flat = raw.transpose(0, 1).reshape(n, -1, raw.shape[-1])
     ref = rope_ref(flat, torch.arange(shift, shift + n), engine.model.rotary.inv_freq)
     assert (ref.view(n, raw.shape[0], *raw.shape[2:]).transpose(0, 1) - moved).abs().max().item() < 1e-5
+
+
+def test_blocked_selected_attention_equals_the_reference():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(300, 3, 16, generator=g), torch.randn(300, 3, 16, generator=g)
+    rows = torch.randperm(300, generator=g)[:200].sort().values
+    q = torch.randn(200, 9, 16, generator=g)
+    ref = selected_attention_ref(q, k, v, rows, torch.arange(300))
+    assert (attend_rows(q, k, v, rows, blocks=5) - ref).abs().max().item() < 1e-5
 
 
 def test_blend_at_ratio_one_gives_the_full_logits(warm):
