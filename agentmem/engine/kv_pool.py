@@ -21,8 +21,8 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [N, KV, hd] of N tokens at flat slots [N] (block * block_size + offset)."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
 
     def gather(self, layer: int, blocks: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K/V [n_tokens, KV, hd] of one sequence from its block table."""

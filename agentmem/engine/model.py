@@ -67,6 +67,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # normalised in fp32 and cast back before the weight, as HF does
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
@@ -99,9 +101,10 @@ class Rotary:
         """x: [N, heads, head_dim]; positions: [N]. Pass `cos_sin` to reuse a lookup."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         n, heads, hd = x.shape
-        xf = x.float()
+        xf = x if x.dtype == torch.float32 else x.float()
         swapped = xf.view(n, heads, 2, hd // 2).flip(2).view(n, heads, hd)
-        return torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :]).to(x.dtype)
+        out = torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 # attn(layer_idx, q_rot [N,H,hd], k_raw [N,KV,hd], k_rot [N,KV,hd], v [N,KV,hd]) -> [N,H,hd]
@@ -148,9 +151,9 @@ class Block(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
-        h = h + self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        h = h + F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_proj.weight)
         gate, up = F.linear(self.post_norm(h), self.w_gate_up).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        return h + F.linear(F.silu(gate) * up, self.down_proj.weight)
 
     def forward(
         self,
