@@ -1,11 +1,16 @@
 """Prompt assembly: the working context and recalled memories, as ordered `Segment`s.
 
-Order (the design's): one system message holding the persona, the core blocks, the running
-summary and the recalled memories, then the recent turns, the new user turn and the
-generation prefix. The system message is split into segments so each piece keeps its own
-KV: a recalled memory is a segment whose text depends only on the memory itself (its date,
-who said it, its stored or compressed text), never on the turn, so the same memory gives
-the same tokens every time it is recalled and its cached KV can be reused or blended.
+Order: one system message holding the persona, the core blocks and the running summary,
+then the recent turns, then the new user turn: the recalled memories as notes, followed by
+the question, then the generation prefix. Measured on `agentmem bench memory`, SmolLM2-135M
+answers from notes placed right before the question far more often than from notes in the
+system message, where it rather copies its own previous answer; and everything before the
+notes is a prefix that stays the same from turn to turn, so its KV is reused exactly.
+
+Each piece is its own segment with its own KV: a recalled memory is a segment whose text
+depends only on the memory itself (its date, who said it, its stored or compressed text),
+never on the turn, so the same memory gives the same tokens every time it is recalled and
+its cached KV can be reused or blended.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from .tiers.records import CoreBlock, Hit, Message
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this a hit is noise, not memory
 TURN_SHARE = 0.25  # a single message longer than this share of the budget is cut to it
-RECALL_HEADER = ("Answer the user's question using these notes from earlier conversations "
-                 "(oldest first; newer notes replace older ones):\n")
+RECALL_HEADER = "Notes from our earlier conversations (oldest first; newer notes replace older ones):\n"
+QUESTION_HEADER = "\nUsing these notes, answer: "
 SUMMARY_HEADER = "Summary of the earlier part of this conversation:\n"
 
 
@@ -70,7 +75,7 @@ def memory_line(hit: Hit) -> str:
     """A recalled memory as prompt text: stable across turns (no rank, no score)."""
     text = " ".join((hit.compressed_text or hit.text).split())
     if hit.kind == "message":
-        who = "you said" if hit.role == "assistant" else "the user said"
+        who = "you said" if hit.role == "assistant" else "I said"
         return f'- {hit.time:%Y-%m-%d} {who}: "{text}"\n'
     return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
@@ -82,6 +87,7 @@ class Assembler:
         self.engine = engine
         self.budget = budget
         self.sys_open, self.sys_close = engine.chat.wraps["system"]
+        self.user_open, self.user_close = engine.chat.wraps["user"]
 
     def count(self, text: str) -> int:
         return self.engine.count_tokens(text)
@@ -114,14 +120,16 @@ class Assembler:
     def select_memories(self, hits: list[Hit]) -> list[tuple[Hit, ContextSegment]]:
         """Best-scored hits first until the recall share is used, then shown oldest first so
         that a changed fact reads in the order it changed."""
-        room = int(RECALL_SHARE * self.budget) - self.count(RECALL_HEADER)
-        chosen = []
+        room = int(RECALL_SHARE * self.budget) - self.count(self.user_open + RECALL_HEADER + QUESTION_HEADER)
+        chosen, seen = [], set()
         for h in hits:
-            if h.similarity < MIN_SIMILARITY:
+            said = " ".join((h.compressed_text or h.text).split()).lower()
+            if h.similarity < MIN_SIMILARITY or said in seen:  # the same words said twice are one note
                 continue
             seg = self._seg("recall", memory_line(h), ref=h.ref, memory_ids=[h.ref])
             if seg.tokens <= room:
                 chosen.append((h, seg))
+                seen.add(said)
                 room -= seg.tokens
         chosen.sort(key=lambda hs: (hs[0].time, hs[0].ref))
         return chosen
@@ -133,12 +141,15 @@ class Assembler:
         segs = list(head)
         if summary:
             segs.append(self._seg("summary", f"{SUMMARY_HEADER}{summary}\n", ref="summary"))
-        if memories:
-            segs.append(self._seg("recall", RECALL_HEADER, ref="recall:header"))
-            segs += [seg for _, seg in memories]
         segs.append(close)
         for m in recent:
             segs.append(self._seg("turn", self.engine.format_message(m.role, self.clip(m.text, self.turn_cap)),
                                   ref=f"message:{m.id}"))
+        if memories:
+            segs.append(self._seg("recall", self.user_open + RECALL_HEADER, ref="recall:header"))
+            segs += [seg for _, seg in memories]
+            segs.append(self._seg("user", QUESTION_HEADER + self.clip(user_text, self.turn_cap) + self.user_close,
+                                  ref="user:question"))
+            return Context(segs + tail[1:], [h for h, _ in memories], namespace)
         segs += tail
         return Context(segs, [h for h, _ in memories], namespace)

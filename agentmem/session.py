@@ -163,6 +163,11 @@ class AgentSession:
         with self._lock:
             if self.store.archive.user_exists(self.tenant_id, self.user_id):
                 self.store.delete_user(self.tenant_id, self.user_id)
+            reuse = getattr(self.engine, "chunk_reuse", None)
+            if reuse is not None:
+                # chunk KV is namespaced by tenant, so the user's chunks go with the tenant's:
+                # it is a cache, dropping too much only costs a prefill
+                reuse.drop_namespace(self.tenant_id)
             self.last_turn = None
             self._open(None)
 
@@ -173,7 +178,8 @@ def _segment_trace(ctx: Context, stats) -> list[dict]:
     for i, s in enumerate(ctx.segments):
         info = per_seg[i] if i < len(per_seg) else {}
         kv = info.get("how") or info.get("kv") or "prefilled"
-        out.append({"tier": s.tier, "text": s.text, "tokens": s.tokens, "ref": s.ref, "kv": kv})
+        out.append({"tier": s.tier, "text": s.text, "tokens": s.tokens, "ref": s.ref, "kv": kv,
+                    "recomputed": int(info.get("recomputed", 0))})
     return out
 
 

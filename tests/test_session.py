@@ -3,13 +3,18 @@ eviction into the summary, bad input, forgetting, a new process, concurrent sess
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from datetime import UTC, datetime
 
 import pytest
 
 from agentmem import AgentSession
 from agentmem.config import Config
-from agentmem.tiers import InvalidInput, MemoryStore
+from agentmem.tiers import InvalidInput, MemoryStore, NotFound, WorkingContext
+from agentmem.tiers.records import Message
 
 FACT = "My dog is called Biscuit."
 
@@ -97,7 +102,7 @@ def test_eviction_folds_old_turns_into_the_summary(make):
 
 
 def test_huge_message_is_stored_and_the_turn_fits(make, engine):
-    s = make()
+    s = make(budget=512)
     huge = "Lots of words about nothing in particular, repeated for a long while. " * 600
     huge += "What is the last word of this message?"
     assert engine.count_tokens(huge) > engine.context_window
@@ -150,3 +155,68 @@ def test_concurrent_sessions_of_one_user(make):
     texts = {m.text for sess in (a, b) for m in sess.store.session_messages("default", "alice", sess.session_id)}
     assert {"I like tea.", "I like coffee."} <= texts
     assert a.search("coffee", k=1)[0].text == "I like coffee."
+
+
+class _FailingEngine:
+    """The shared engine, except that generation fails."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def stream(self, *args, **kw):
+        raise RuntimeError("the accelerator fell over")
+
+
+def test_message_is_committed_even_when_generation_fails(tmp_path, engine, embedder):
+    cfg = Config(data_dir=tmp_path, dtype="float32", device="cpu")
+    store = MemoryStore(cfg, embedder=embedder)
+    s = AgentSession("alice", config=cfg, engine=_FailingEngine(engine), store=store)
+    with pytest.raises(RuntimeError):
+        s.chat(FACT)
+    assert [m.text for m in store.session_messages("default", "alice", s.session_id)] == [FACT]
+    assert store.search("default", "alice", "dog name", k=1)[0].text == FACT
+    store.close()
+
+
+def test_unknown_and_bad_user_ids(make):
+    s = make(user="nobody-yet")
+    assert s.search("dog") == [] and s.memories() == []
+    assert not [x for x in s.context("What is my dog called?").segments if x.tier == "recall"]
+    with pytest.raises(NotFound):
+        s.store.export_user("default", "never-seen")
+    for bad in ("", "  ", "x" * 201, 42, "a\x00b"):
+        with pytest.raises(InvalidInput):
+            make(user=bad)
+
+
+def test_fit_evicts_past_the_trigger_into_the_summary():
+    words = len  # one token per character keeps the arithmetic visible
+
+    def msg(i, role, text):
+        return Message(i, "s", role, text, datetime(2026, 1, 1, tzinfo=UTC))
+
+    wc = WorkingContext(None, "t", "u", "s", words, budget=100, persist=False)
+    wc.push([msg(1, "user", "a" * 20 + ". more"), msg(2, "assistant", "b" * 20), msg(3, "user", "c" * 20),
+             msg(4, "assistant", "d" * 10)])
+    assert wc.fit(other_tokens=90 - wc.queue_tokens()) == [] and wc.summary == ""  # at 0.9: stays
+    evicted = wc.fit(other_tokens=91 - wc.queue_tokens())
+    assert [m.id for m in evicted] == [1, 2]  # down to 0.6, never splitting a turn from its reply
+    assert [m.id for m in wc.queue] == [3, 4] and wc.summary_upto == 2 and wc.evictions == 1
+    assert wc.summary == "- 2026-01-01 user: " + "a" * 20 + "."
+
+
+def test_chat_repl_in_a_new_process_shows_remembered_memories(make, tmp_path):
+    make().add_messages([{"role": "user", "content": FACT}])
+    env = dict(os.environ, AGENTMEM_DATA_DIR=str(tmp_path), AGENTMEM_DTYPE="float32", AGENTMEM_DEVICE="cpu",
+               AGENTMEM_KV_MODE="full")
+    out = subprocess.run([sys.executable, "-m", "agentmem.cli", "chat", "--user", "alice", "--show-memories",
+                          "--max-tokens", "3"], input="What is my dog called?\n/search dog\n/quit\n", env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shown = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("* message:")]
+    assert any(FACT in ln for ln in shown), out.stdout  # the memory its prompt used, from the first process
+    assert "bot> " in out.stdout and "prompt tokens" in out.stdout
+    assert any(FACT in ln and ln.strip()[0].isdigit() for ln in out.stdout.splitlines())  # /search found it
