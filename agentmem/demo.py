@@ -9,33 +9,40 @@ prompt's size against the whole history, and how much of its KV was reused.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
-FACTS = ["Hi! My name is Alice and I live in Lisbon.", "My dog is called Biscuit.", "I am allergic to peanuts."]
+# (SmolLM2-135M answers "I live in Lisbon." in Portuguese; Denver keeps the demo in English)
+FACTS = ["Hi! My name is Alice and I live in Denver.", "My dog is called Biscuit.", "I am allergic to peanuts."]
 QUESTIONS = ["What is my dog called?", "Which city do I live in?", "What am I allergic to?"]
 TOPICS = ["tide pools", "old maps", "jazz records", "volcanoes", "lighthouses", "beekeeping", "chess openings",
           "Roman roads", "origami", "bird migration"]
 
 
-def _session(data_dir: str, session_id: str | None = None):
+def _session(data_dir: str, engine=None, store=None):
+    """A new session of alice; `engine`/`store` are shared within one process (tests pass theirs)."""
     from .config import Config
     from .session import AgentSession
 
-    return AgentSession("alice", session_id=session_id, config=Config(data_dir=data_dir))
+    if engine is None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    return AgentSession("alice", config=Config(data_dir=data_dir), engine=engine, store=store)
 
 
-def phase_one(data_dir: str, max_tokens: int) -> None:
-    s = _session(data_dir)
-    print(f"\n=== session 1 ({s.session_id[:8]}), process {__import__('os').getpid()} ===")
+def phase_one(data_dir: str, max_tokens: int, engine=None, store=None, pairs: int = 60) -> None:
+    s = _session(data_dir, engine, store)
+    print(f"\n=== session 1 ({s.session_id[:8]}), process {os.getpid()} ===")
     for text in FACTS:
         print(f"you> {text}")
         print(f"bot> {s.chat(text, max_tokens=max_tokens)}")
-    s2 = _session(data_dir)
+    s2 = _session(data_dir, s.engine, s.store)
     turns = []
-    for i in range(60):
+    for i in range(pairs):
         t = TOPICS[i % len(TOPICS)]
         turns += [{"role": "user", "content": f"Let's talk about {t} for a while; what is one curious fact about {t}?"},
                   {"role": "assistant", "content": f"One curious thing about {t} is how much history it hides."}]
@@ -43,13 +50,13 @@ def phase_one(data_dir: str, max_tokens: int) -> None:
     print(f"\n=== session 2 ({s2.session_id[:8]}): {len(turns)} messages of unrelated talk imported ===")
 
 
-def phase_two(data_dir: str, max_tokens: int) -> None:
+def phase_two(data_dir: str, max_tokens: int, engine=None, store=None) -> None:
     from .repl import show_turn
 
-    s = _session(data_dir)
+    s = _session(data_dir, engine, store)
     history = sum(s.engine.count_tokens(m.text) for sess in s.store.list_sessions("default", "alice")
                   for m in s.store.session_messages("default", "alice", sess.id))
-    print(f"\n=== session 3 ({s.session_id[:8]}), a new process {__import__('os').getpid()}; "
+    print(f"\n=== session 3 ({s.session_id[:8]}), a new process {os.getpid()}; "
           f"history so far: {history} tokens ===")
     for q in QUESTIONS:
         t0 = time.perf_counter()
