@@ -173,6 +173,10 @@ def test_insights_and_human_block(store):
     block = {b.label: b for b in store.core_blocks("t1", "u1")}[HUMAN_BLOCK]
     assert block.value.startswith("Prefers short answers.") and len(block.value) <= 120
     assert "- The user's name is Jonas." in block.value  # most important first
+    store.add_memory("t1", "u1", "The user's travel: trip to Japan.", 0.95, kind="fact")  # a model guess
+    reflect(store, None, "t1", "u1", use_model=False)
+    block = {b.label: b for b in store.core_blocks("t1", "u1")}[HUMAN_BLOCK]
+    assert "Japan" not in block.value and "- The user's name is Jonas." in block.value
 
 
 class FakeReuse:

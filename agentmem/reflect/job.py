@@ -252,7 +252,9 @@ def _write_insights(facts: _UserFacts, compressor: Compressor | None) -> list[in
 
 def _update_human_block(store: MemoryStore, tenant_id: str, user_id: str, facts: _UserFacts) -> None:
     """Lines someone else wrote stay first; reflected facts fill the rest of the limit,
-    most important first."""
+    most important first. Only template facts: a model-extracted one ("The user's hobby:
+    …") is a guess of the small model, fine to recall when relevant but too noisy to put in
+    every prompt."""
     blocks = {b.label: b for b in store.core_blocks(tenant_id, user_id)}
     current = blocks.get(HUMAN_BLOCK)
     limit = current.limit if current else None
@@ -261,7 +263,8 @@ def _update_human_block(store: MemoryStore, tenant_id: str, user_id: str, facts:
     ]
     lines = list(kept)
     cap = limit if limit is not None else DEFAULT_BLOCK_LIMIT
-    ranked = sorted(facts.active.values(), key=lambda m: (-m.importance, -m.time.timestamp()))
+    exact = [m for m in facts.active.values() if (slot := slot_of(m.text)) and not slot[0].startswith("topic:")]
+    ranked = sorted(exact, key=lambda m: (-m.importance, -m.time.timestamp()))
     for m in ranked:
         line = f"- {m.text}"
         if len("\n".join([*lines, line])) <= cap:
