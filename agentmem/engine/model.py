@@ -111,6 +111,15 @@ class Rotary:
 AttnBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def project(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T. For one row on the CPU, MKL's product with the weight stored transposed
+    (`w_t`, [in, out] contiguous) is ~1.5-2x faster than with [out, in] for the wide
+    projections, while for several rows the [out, in] layout wins: decode keeps both."""
+    if w_t is not None and x.shape[0] == 1:
+        return torch.mm(x, w_t)
+    return F.linear(x, w)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, idx: int):
         super().__init__()
@@ -126,6 +135,8 @@ class Block(nn.Module):
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
         self.input_norm = RMSNorm(args.dim, args.norm_eps)
         self.post_norm = RMSNorm(args.dim, args.norm_eps)
+        self.wqkv_t: torch.Tensor | None = None  # transposed copies for one-row decode (see `project`)
+        self.w_gate_up_t: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v and gate/up weights so each is one matmul; the per-projection
@@ -142,7 +153,7 @@ class Block(nn.Module):
     def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:
         """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]."""
         a = self.args
-        return F.linear(self.input_norm(h), self.wqkv).view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
+        return project(self.input_norm(h), self.wqkv, self.wqkv_t).view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Un-rotated q, k and v of hidden states h [N, dim]."""
@@ -152,7 +163,7 @@ class Block(nn.Module):
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
         h = h + F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_proj.weight)
-        gate, up = F.linear(self.post_norm(h), self.w_gate_up).chunk(2, dim=-1)
+        gate, up = project(self.post_norm(h), self.w_gate_up, self.w_gate_up_t).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, self.down_proj.weight)
 
     def forward(
@@ -181,6 +192,15 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len)
+        self.lm_head_t: torch.Tensor | None = None
+
+    def keep_transposed(self) -> None:
+        """Keep [in, out] copies of the wide weights (qkv, gate/up, LM head) for one-row
+        decode on the CPU: ~1.5-2x faster there, for ~80% more weight memory."""
+        for layer in self.layers:
+            layer.wqkv_t = layer.wqkv.t().contiguous()
+            layer.w_gate_up_t = layer.w_gate_up.t().contiguous()
+        self.lm_head_t = self.lm_head.weight.t().contiguous()
 
     def forward(
         self,
@@ -200,7 +220,7 @@ class Transformer(nn.Module):
         return self.logits(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).float()
+        return project(self.norm(h), self.lm_head.weight, self.lm_head_t).float()
 
 
 _HF_NAMES = {
@@ -253,4 +273,6 @@ def load_transformer(path: Path, dtype: torch.dtype, device: torch.device | str 
     model.rotary.to(device)
     for layer in model.layers:
         layer.fuse()
+    if torch.device(device).type == "cpu":
+        model.keep_transposed()
     return model.eval().requires_grad_(False)
