@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/agentmem demo
 
+# PostgreSQL tests run against this server (CI and this machine have one); on a machine
+# without it: `make test AGENTMEM_TEST_PG_URL=` and they are skipped with a message.
+AGENTMEM_TEST_PG_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
+export AGENTMEM_TEST_PG_URL
+
 test: setup
 	$(VENV)/bin/python -m pytest -q
 
