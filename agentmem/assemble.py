@@ -126,6 +126,10 @@ class Assembler:
             said = " ".join((h.compressed_text or h.text).split()).lower()
             if h.similarity < MIN_SIMILARITY or said in seen:  # the same words said twice are one note
                 continue
+            if h.kind == "message" and h.role == "assistant":
+                # the small model's own earlier replies are unreliable, and as notes it copies
+                # them word for word instead of answering (seen in the demo); search still finds them
+                continue
             seg = self._seg("recall", memory_line(h), ref=h.ref, memory_ids=[h.ref])
             if seg.tokens <= room:
                 chosen.append((h, seg))
