@@ -265,7 +265,7 @@ def test_hot_segments_prefer_the_most_recalled(store):
     store.record_turn("t1", "u1", sid, {"memories_used": [{"ref": f"message:{said[0].id}"}]})
     segs = hot_segments(store, "t1", "u1", 2)
     assert [s.ref for s in segs] == [f"memory:{oslo.id}", f"message:{said[0].id}"]
-    assert segs[1].text.endswith('the user said: "I live in Oslo."\n')
+    assert segs[1].text.endswith('said: "I live in Oslo."\n')  # the assembler's line for a message
     assert [s.ref for s in hot_segments(store, "t1", "u1", 3)][2] == f"memory:{ida.id}"  # then importance
     assert hot_segments(store, "t1", "u1", 0) == []
 
