@@ -27,7 +27,7 @@ def _serve(data_dir, port: int) -> subprocess.Popen:
     log_path = data_dir / f"serve-{port}-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "agentmem.cli", "serve", "--data-dir", str(data_dir),
-                                 "--port", str(port), "--rate-limit", "0", "--no-ui", "--log-level", "warning"],
+                                 "--port", str(port), "--rate-limit", "0", "--reflect-every-turns", "0", "--no-ui", "--log-level", "warning"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log_path = log_path
     return proc

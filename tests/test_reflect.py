@@ -358,3 +358,40 @@ def test_cli_reflects_every_user(tmp_path, monkeypatch, capsys, embedder):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["users"] == 1 and out["reports"][0]["facts_added"]
     assert main(["--user", "nobody", "--tenant", "t1", "--no-model"]) == 1
+
+
+def test_scheduler_loads_a_lazy_engine_only_when_someone_is_due(store):
+    loads, built = [], []
+
+    def load():
+        loads.append(1)
+        return None  # templates only: no model is needed for this check
+
+    def make_compressor(engine):
+        built.append(engine)
+        return None
+
+    sched = ReflectionScheduler(store, load, every_turns=1, use_model=False, compressor=make_compressor)
+    assert sched.run_due() == [] and loads == [] and built == []
+    _say(store, ["I live in Oslo."])
+    assert [r.user_id for r in sched.run_due()] == ["u1"]
+    assert loads == [1] and built == [None]
+    _say(store, ["I live in Bergen."])
+    sched.run_due()  # the compressor is built once, the engine asked for on every due pass
+    assert loads == [1, 1] and built == [None]
+    assert "The user lives in Bergen." in _facts(store, status="active")
+
+
+def test_service_starts_background_reflection_when_asked(tmp_path, embedder):
+    from agentmem.api import create_app
+
+    cfg = Config(data_dir=tmp_path)
+    s = MemoryStore(cfg, embedder=embedder)
+    try:
+        app = create_app(cfg, store=s, ui=False, reflect_every_turns=5, reflect_idle_s=30)
+        sched = app.state.services.reflection
+        assert sched.every_turns == 5 and sched.idle_s == 30 and sched._thread.is_alive()
+        sched.stop(5)
+        assert create_app(cfg, store=s, ui=False).state.services.reflection is None
+    finally:
+        s.close()

@@ -35,6 +35,7 @@ class Services:
         self._engine = engine
         self._engine_lock = threading.Lock()
         self._keys: dict[str, tuple[str | None, float]] = {}
+        self.reflection = None  # a ReflectionScheduler once start_reflection() ran
         self.chat = ChatService(config, store, self.engine, limits, serial=serial)
         store.forget_hooks.append(self._forget)
 
@@ -61,6 +62,17 @@ class Services:
         self._keys[key_hash] = (tenant, now)
         return tenant
 
+    def start_reflection(self, every_turns: int = 20, idle_s: float = 300.0, poll_s: float = 5.0):
+        """Offline reflection beside the service, in its own thread, never on a request's path:
+        users become due after `every_turns` new turns or `idle_s` idle seconds. The model is
+        loaded only when a user is first due; the compressor is built on the same model."""
+        from ..compress import Compressor
+        from ..reflect.trigger import ReflectionScheduler
+
+        self.reflection = ReflectionScheduler(self.store, self.engine, every_turns=every_turns, idle_s=idle_s,
+                                              poll_s=poll_s, compressor=Compressor).start()
+        return self.reflection
+
     def chunk_stats(self) -> dict | None:
         return chunk_stats(self._engine)
 
@@ -76,8 +88,11 @@ class Services:
 
 
 def create_app(config: Config | None = None, engine=None, store: MemoryStore | None = None,
-               limits: Limits | None = None, ui: bool = True, serial: bool = False) -> FastAPI:
-    """The service. `serial=True` answers one chat at a time (the benchmark's peer)."""
+               limits: Limits | None = None, ui: bool = True, serial: bool = False,
+               reflect_every_turns: int | None = None, reflect_idle_s: float = 300.0) -> FastAPI:
+    """The service. `serial=True` answers one chat at a time (the benchmark's peer).
+    `reflect_every_turns` starts background reflection (off by default here so embedding
+    apps and tests stay deterministic; `agentmem serve` turns it on)."""
     from .chat_routes import router as chat_router
     from .memory_routes import router as memory_router
 
@@ -87,6 +102,10 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
     app = FastAPI(title="agentmem", version="0.1.0",
                   description="Long-term memory for chat assistants, OpenAI-compatible, multi-tenant.")
     app.state.services = services
+    if reflect_every_turns:
+        services.start_reflection(reflect_every_turns, reflect_idle_s)
+        # a pass cut short at shutdown resumes where it stopped (the checkpoint advances per message)
+        app.router.on_shutdown.append(lambda: services.reflection.stop(5))
     errors.install(app)
     app.add_middleware(BodyLimit, limits=services.limits)
 

@@ -109,7 +109,7 @@ def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
     """A real `agentmem serve` process on a free loopback port; yields its URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "agentmem.cli", "serve", "--data-dir", str(data_dir), "--port", str(port),
-           "--rate-limit", "0", "--no-ui", "--preload", "--log-level", "warning", "--max-tokens", str(max_tokens)]
+           "--rate-limit", "0", "--reflect-every-turns", "0", "--no-ui", "--preload", "--log-level", "warning", "--max-tokens", str(max_tokens)]
     if serial:
         cmd.append("--serial")
     if dtype:

@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
                    help="requests per minute per tenant (0: unlimited)")
     p.add_argument("--serial", action="store_true",
                    help="answer one chat at a time instead of batching (the peer of `agentmem bench serve`)")
+    p.add_argument("--reflect-every-turns", type=int, default=20,
+                   help="background reflection: a user is due after this many new turns (0: off)")
+    p.add_argument("--reflect-idle", type=float, default=300.0,
+                   help="background reflection: ... or after this many idle seconds")
     p.add_argument("--no-ui", action="store_true", help="do not serve the inspector page at /ui")
     p.add_argument("--log-level", default="info")
     return p
@@ -60,6 +64,7 @@ def main(argv: list[str]) -> int:
         from ..engine import Engine
 
         engine = Engine.load(config)
-    app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui, serial=args.serial)
+    app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui, serial=args.serial,
+                     reflect_every_turns=args.reflect_every_turns, reflect_idle_s=args.reflect_idle)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

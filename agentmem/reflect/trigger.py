@@ -57,14 +57,28 @@ class ReflectionScheduler:
             if (n >= self.every_turns or now - last >= idle) and mono - self._failed.get((t, u), -1e18) >= self.idle_s
         ]
 
+    def _engine_and_kwargs(self):
+        """`engine` may be a zero-argument function (a service loads its model on first use):
+        it is called only when some user is due. So is a `compressor` given as a function."""
+        engine = self.engine() if callable(self.engine) else self.engine
+        kwargs = dict(self.reflect_kwargs)
+        make = kwargs.get("compressor")
+        if isinstance(make, type) or (callable(make) and not hasattr(make, "compress")):
+            kwargs["compressor"] = self.reflect_kwargs["compressor"] = make(engine)
+        return engine, kwargs
+
     def run_due(self, now: datetime | None = None) -> list[ReflectReport]:
         """Reflect every user that is due, one after another (the model is shared)."""
         reports = []
-        for key in self.due(now):
+        due = self.due(now)
+        if not due:
+            return reports
+        engine, kwargs = self._engine_and_kwargs()
+        for key in due:
             if self._stop.is_set():
                 break
             try:
-                r = reflect(self.store, self.engine, *key, **self.reflect_kwargs)
+                r = reflect(self.store, engine, *key, **kwargs)
             except Exception:
                 log.exception("reflection failed for tenant %s user %s", *key)
                 self._failed[key] = time.monotonic()
