@@ -19,7 +19,7 @@ from agentmem.kvreuse import (
     place_k,
 )
 from agentmem.kvreuse.bench import kl
-from agentmem.kvreuse.fuser import attend_rows
+from agentmem.kvreuse.fuser import METRICS, _attend_and_share, attend_rows
 
 FACTS = [
     "- 2024-03-02 the user said: \"My cat is called Miso and she is four years old.\"\n",
@@ -168,7 +168,28 @@ def test_blocked_selected_attention_equals_the_reference():
     assert (attend_rows(q, k, v, rows, blocks=5) - ref).abs().max().item() < 1e-5
 
 
-def test_blend_at_ratio_one_gives_the_full_logits(warm):
+def test_probe_attention_equals_the_reference_and_shares_what_values_add():
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(120, 3, 16, generator=g), torch.randn(120, 3, 16, generator=g)
+    v[7] = 0.0  # a key with a zero value adds nothing to any output
+    q_pos = torch.tensor([90, 95, 100, 101])
+    q = torch.randn(4, 9, 16, generator=g)
+    out, share = _attend_and_share(q, k, v, q_pos, torch.arange(120))
+    assert (out - selected_attention_ref(q, k, v, q_pos, torch.arange(120))).abs().max().item() < 1e-5
+    assert share.shape == (120,) and share[7] == 0 and (share[102:] == 0).all() and (share[:102] > 0).sum() == 101
+
+
+@pytest.fixture
+def metric(warm, request):
+    """Run a test with the fixture's planner on another selection metric, then restore it."""
+    reuse, before = warm[1], warm[1].metric
+    reuse.metric = request.param
+    yield request.param
+    reuse.metric = before
+
+
+@pytest.mark.parametrize("metric", METRICS, indirect=True)
+def test_blend_at_ratio_one_gives_the_full_logits(warm, metric):
     e, reuse = warm
     parts = e.tokenize_prompt(prompt(e, [2, 0, 3], QUESTIONS[1]))
     full = reuse.plan(parts, mode="full", store=False)
@@ -178,7 +199,8 @@ def test_blend_at_ratio_one_gives_the_full_logits(warm):
     assert all(torch.equal(a, b) for a, b in zip(one.k + one.v, full.k + full.v, strict=True))
 
 
-def test_blend_is_closer_to_full_than_reuse(warm):
+@pytest.mark.parametrize("metric", ["v", "query"], indirect=True)
+def test_blend_is_closer_to_full_than_reuse(warm, metric):
     e, reuse = warm
     kls = {"reuse": [], "blend": []}
     for order, q in [([1, 0, 2], QUESTIONS[0]), ([3, 2, 1, 0], QUESTIONS[1]), ([0, 3, 2], QUESTIONS[2])]:

@@ -22,7 +22,13 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) 
     q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
     if start == 0:
         return sdpa(q, k, v)
-    pos = torch.arange(start + q.shape[0], device=q.device)
+    n = q.shape[0]
+    if start < n and not q.is_cuda:
+        # the causal kernel skips the masked half that a mask makes the CPU compute; padding
+        # the `start` earlier rows with zero queries is cheaper than that while start < n
+        padded = torch.cat([q.new_zeros(start, *q.shape[1:]), q])
+        return sdpa(padded, k, v)[start:]
+    pos = torch.arange(start + n, device=q.device)
     return sdpa(q, k, v, pos[None, :] <= pos[start:, None])
 
 

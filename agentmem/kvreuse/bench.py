@@ -22,6 +22,7 @@ import torch
 
 from ..config import Config
 from ..engine import DenseKV, Engine, Segment
+from .fuser import METRICS
 from .reuse import ChunkReuse
 
 NAMES = ["Clara", "Tomas", "Ines", "Viktor", "Lena", "Omar", "Priya", "Jonas", "Aiko", "Rafael", "Sofia",
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--ratio", type=float, default=None, help="blend ratio (default: config blend_ratio)")
-    ap.add_argument("--metric", choices=["k", "v", "kv"], default=None)
+    ap.add_argument("--metric", choices=METRICS, default=None)
     ap.add_argument("--check-layer", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)

@@ -5,10 +5,15 @@ Modes:
 - `full`: every token runs through every layer (plain prefill; the baseline).
 - `reuse`: cached KV is re-rotated to its positions and used as is; only uncached tokens
   (and the last token, whose logits are needed) run.
-- `blend`: layers 0..check_layer run every token after the exact prefix; at the check layer
-  the cached tokens whose recomputed K (or V) deviates most from the cached one are picked
-  (the top `ratio` of them), plus every uncached token and the last token; later layers run
-  only those and scatter their K/V over the cached K/V.
+- `blend`: layers 0..check_layer run every token after the exact prefix; then the top
+  `ratio` of the cached tokens are picked, plus every uncached token and the last token;
+  later layers run only those and scatter their K/V over the cached K/V. What ranks the
+  cached tokens is the metric: `k` / `v` / `kv` the deviation of the recomputed K or V from
+  the cached one at the check layer (CacheBlend's rule); `attn` / `vattn` the question's
+  attention at the check layer (alone, or times the V deviation); `query` (the default) what
+  each token adds to the question's attention outputs in the *later* layers, measured by a
+  cheap probe that runs only the uncached tail (the question) through them against the
+  cached KV. On the benchmark `query` halves the KL of `v` at the same r (docs/kvreuse.md).
 
 Attention is exact and causal by position (query at p sees keys at <= p). With ratio 1.0
 every token runs every layer, in the same calls `full` makes, so the logits are the same.
@@ -27,7 +32,7 @@ from ..engine.model_runner import attend_chunk
 from .store import ChunkKV
 
 MODES = ("full", "reuse", "blend")
-METRICS = ("k", "v", "kv", "attn", "vattn")
+METRICS = ("k", "v", "kv", "attn", "vattn", "query")
 
 
 @dataclass
@@ -89,6 +94,55 @@ def _attention_share(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_po
     scores = torch.einsum("nhd,thd->hnt", q.float(), kk.float()) * q.shape[-1] ** -0.5
     scores.masked_fill_(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
     return torch.softmax(scores, dim=-1).sum((0, 1))
+
+
+def _attend_and_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact causal attention of a few queries q [Nq,H,hd] over k/v [T,KV,hd], and what each
+    key adds to their outputs: the attention paid to it times the norm of its value, summed
+    over queries and heads. Returns ([Nq,H,hd], [T])."""
+    n, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    qg = q.view(n, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * n, hd)  # rows: (group, query)
+    scores = torch.bmm(qg, k.permute(1, 2, 0)) * hd**-0.5  # [KV, g*n, T]
+    scores.masked_fill_(~(k_pos[None, :] <= q_pos.repeat(g)[:, None]), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1)
+    out = torch.bmm(probs.to(v.dtype), v.transpose(0, 1))  # [KV, g*n, hd]
+    out = out.view(kv_heads, g, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+    share = (probs.sum(1) * v.float().norm(dim=-1).T).sum(0)
+    return out, share
+
+
+def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+           first_layer: int) -> torch.Tensor:
+    """The `query` selection signal. Run only `rows` (the uncached tail: the question and
+    the last token), from hidden states h at `first_layer`, through the remaining layers
+    against the cached K/V placed there (as `reuse` would), and return per key what it adds
+    to their attention outputs: the tokens the question actually reads in the deep layers,
+    where the cached KV is stale. Their K/V is written into k_all/v_all; the blend pass
+    overwrites it at every layer."""
+    pos = torch.arange(k_all.shape[1], device=k_all.device)
+    q_pos = pos[rows]
+    cos_sin = model.rotary.cos_sin(q_pos)
+    share = torch.zeros(k_all.shape[1], device=k_all.device)
+    for layer in model.layers[first_layer:]:
+        def attn(idx, q, k_raw, k_rot, v):
+            k_l, v_l = k_all[idx], v_all[idx]
+            k_l.index_copy_(0, rows, k_rot)
+            v_l.index_copy_(0, rows, v)
+            out, s = _attend_and_share(q, k_l, v_l, q_pos, pos)
+            share.add_(s)
+            return out
+
+        h = layer(h, q_pos, model.rotary, attn, cos_sin)
+    return share
+
+
+def _top(cached_idx: torch.Tensor, score: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The `ratio` share of cached positions with the highest score (rounded up)."""
+    n_pick = min(len(cached_idx), math.ceil(ratio * len(cached_idx) - 1e-9))
+    return cached_idx[score.topk(n_pick).indices]
 
 
 def _deviation(old_k, old_v, new_k, new_v, metric: str) -> torch.Tensor:
@@ -164,7 +218,7 @@ def fuse(
 
         def attn(idx, q, k_raw, k_rot, v, rows=rows, start=start, q_pos=q_pos, new_rows=new_rows):
             k_l, v_l = k_all[idx], v_all[idx]
-            if idx == check:
+            if idx == check and metric != "query":
                 crow = torch.searchsorted(rows, cached_idx)
                 d = _deviation(k_l[cached_idx], v_l[cached_idx], k_rot[crow], v[crow], metric)
                 if metric in ("attn", "vattn"):
@@ -172,8 +226,7 @@ def fuse(
                     k_now[start:] = k_rot
                     share = _attention_share(q[new_rows], k_now, pos[new_idx], pos)[cached_idx]
                     d = share if metric == "attn" else d * share
-                n_pick = min(len(cached_idx), math.ceil(ratio * len(cached_idx) - 1e-9))
-                picked.append(cached_idx[d.topk(n_pick).indices])
+                picked.append(_top(cached_idx, d, ratio))
             if start is not None:
                 k_l[start:] = k_rot
                 v_l[start:] = v
@@ -182,11 +235,15 @@ def fuse(
                 v_l.index_copy_(0, rows, v)
             if new_k_raw is not None:
                 new_k_raw[idx] = k_raw[new_rows]
-            if start == 0:
-                return attend_chunk(q, k_l, v_l, 0)
+            if start is not None:
+                return attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start)
             return attend_rows(q, k_l, v_l, q_pos)
 
         h = layer(h, q_pos, model.rotary, attn, model.rotary.cos_sin(q_pos))
+        if i == check and metric == "query":
+            tail = torch.unique(torch.cat([new_idx, last]))
+            share = _probe(model, h[torch.searchsorted(rows, tail)], tail, k_all, v_all, i + 1)
+            picked.append(_top(cached_idx, share[cached_idx], ratio))
         if i == check and i + 1 < a.n_layers:
             sel = torch.unique(torch.cat([picked[0], new_idx, last]))
             h = h[torch.searchsorted(rows, sel)]
