@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from .assemble import RECALL_SHARE, Assembler, Context
+from .compress.policy import BudgetPolicy
 from .config import Config
+from .engine.sampler import SamplingParams
 from .tiers import MemoryStore, WorkingContext, clean_text
 from .tiers.records import Memory, Message
 
@@ -55,7 +57,7 @@ class AgentSession:
         if budget + self.config.reply_tokens >= engine.context_window:
             raise ValueError(f"context_budget {budget} + reply_tokens {self.config.reply_tokens} must be below the "
                              f"model's context window {engine.context_window}")
-        self.assembler = Assembler(engine, budget)
+        self.assembler = Assembler(engine, budget, BudgetPolicy(always_compress=self.config.compress_always))
         self.last_turn: TurnTrace | None = None
         self._compressor = None  # LLMLingua, built on the first question-aware turn
         self._lock = threading.RLock()
@@ -70,11 +72,17 @@ class AgentSession:
 
     # --- the turn ----------------------------------------------------------------------------
     def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
-             temperature: float = 0.0, question_aware_tokens: int | None = None) -> str | Iterator[str]:
+             temperature: float = 0.0, question_aware_tokens: int | None = None, *,
+             top_p: float = 1.0, stop: str | list[str] | None = None,
+             seed: int | None = None) -> str | Iterator[str]:
         """Reply to `text`. With stream=True, an iterator of text pieces; the reply is stored
         and `last_turn` set when it is exhausted. The user's message is committed first.
+        Sampling (`temperature`, `top_p`, `stop`, `seed`) is the engine's; bad values raise
+        `InvalidSampling` before anything is stored.
         `question_aware_tokens`: compress the recalled memories against `text` to about that
         many tokens (LongLLMLingua); their cached KV cannot be reused for this turn."""
+        params = SamplingParams(max_tokens=max_tokens or self.config.reply_tokens, temperature=temperature,
+                                top_p=top_p, stop=stop or [], seed=seed).validate()
         with self._lock:
             text = clean_text(text, "message")
             user_msg = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
@@ -86,8 +94,7 @@ class AgentSession:
                 self._compressor = self._compressor or Compressor(self.engine)
                 ctx = question_aware(ctx, self._compressor, text, question_aware_tokens)
             self.working.push(user_msg)
-            gen = self.engine.stream(ctx.prompt, max_tokens=max_tokens or self.config.reply_tokens,
-                                     temperature=temperature)
+            gen = self.engine.stream(ctx.prompt, params)
         pieces = self._finish(gen, ctx, user_msg[0], evicted)
         if stream:
             return pieces

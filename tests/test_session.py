@@ -13,6 +13,7 @@ import pytest
 
 from agentmem import AgentSession
 from agentmem.config import Config
+from agentmem.engine import InvalidSampling
 from agentmem.tiers import InvalidInput, MemoryStore, NotFound, WorkingContext
 from agentmem.tiers.records import Message
 
@@ -119,6 +120,21 @@ def test_bad_input_is_refused_before_anything_is_stored(make):
     assert s.store.session_messages("default", "alice", s.session_id) == []
     with pytest.raises(InvalidInput):
         s.search("")
+    for bad in ({"top_p": 0.0}, {"temperature": -1.0}, {"stop": [""]}, {"max_tokens": -2}):
+        with pytest.raises(InvalidSampling):
+            s.chat("Hello there.", **bad)
+    assert s.store.session_messages("default", "alice", s.session_id) == []
+
+
+def test_sampling_reaches_the_engine(make):
+    s = make()
+    free = s.chat("Count from one to ten in words, separated by commas.", max_tokens=24)
+    assert "," in free
+    cut = s.chat("Count from one to ten in words, separated by commas.", max_tokens=24, stop=",")
+    assert "," not in cut and len(cut) < len(free)
+    a = make(user="carol").chat("Say something about the sea.", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    b = make(user="bob").chat("Say something about the sea.", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    assert a == b  # the same prompt and seed give the same sample
 
 
 def test_forget_deletes_every_tier(make):

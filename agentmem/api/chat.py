@@ -174,7 +174,8 @@ class ChatService:
             with opened.lock, self._one_at_a_time():
                 if new and earlier:
                     session.add_messages(earlier)
-                out = session.chat(text, stream=True, max_tokens=max_tokens, temperature=req.temperature)
+                out = session.chat(text, stream=True, max_tokens=max_tokens, temperature=req.temperature,
+                                   top_p=req.top_p, stop=req.stops(), seed=req.seed)
                 parts = []
                 for piece in out:
                     parts.append(piece)
