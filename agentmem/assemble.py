@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .compress.policy import BudgetPolicy
 from .engine import Segment
 from .tiers.records import CoreBlock, Hit, Message
 
@@ -71,9 +72,10 @@ class Context:
                 "memories": [h.to_dict() | {"ref": h.ref} for h in self.memories]}
 
 
-def memory_line(hit: Hit) -> str:
-    """A recalled memory as prompt text: stable across turns (no rank, no score)."""
-    text = " ".join((hit.compressed_text or hit.text).split())
+def memory_line(hit: Hit, compressed: bool = False) -> str:
+    """A recalled memory as prompt text: stable across turns (no rank, no score). With
+    `compressed`, its stored compressed text where it has one."""
+    text = " ".join(((compressed and hit.compressed_text) or hit.text).split())
     if hit.kind == "message":
         who = "you said" if hit.role == "assistant" else "I said"
         return f'- {hit.time:%Y-%m-%d} {who}: "{text}"\n'
@@ -83,9 +85,10 @@ def memory_line(hit: Hit) -> str:
 class Assembler:
     """Builds a `Context` with the engine's chat format and token counter."""
 
-    def __init__(self, engine, budget: int):
+    def __init__(self, engine, budget: int, policy: BudgetPolicy | None = None):
         self.engine = engine
         self.budget = budget
+        self.policy = policy or BudgetPolicy()
         self.sys_open, self.sys_close = engine.chat.wraps["system"]
         self.user_open, self.user_close = engine.chat.wraps["user"]
 
@@ -119,24 +122,41 @@ class Assembler:
 
     def select_memories(self, hits: list[Hit]) -> list[tuple[Hit, ContextSegment]]:
         """Best-scored hits first until the recall share is used, then shown oldest first so
-        that a changed fact reads in the order it changed."""
+        that a changed fact reads in the order it changed. The budget policy picks, per tier,
+        the original or the stored compressed texts: originals while they fit (compression
+        costs the 135M model accuracy), compressed ones, cheapest tier first, when they do not."""
         room = int(RECALL_SHARE * self.budget) - self.count(self.user_open + RECALL_HEADER + QUESTION_HEADER)
-        chosen, seen = [], set()
+        cands, seen = [], set()
         for h in hits:
-            said = " ".join((h.compressed_text or h.text).split()).lower()
+            said = " ".join(h.text.split()).lower()
             if h.similarity < MIN_SIMILARITY or said in seen:  # the same words said twice are one note
                 continue
             if h.kind == "message" and h.role == "assistant":
                 # the small model's own earlier replies are unreliable, and as notes it copies
                 # them word for word instead of answering (seen in the demo); search still finds them
                 continue
-            seg = self._seg("recall", memory_line(h), ref=h.ref, memory_ids=[h.ref])
-            if seg.tokens <= room:
-                chosen.append((h, seg))
-                seen.add(said)
-                room -= seg.tokens
+            seen.add(said)
+            tier = self.policy_tier(h)
+            lines = (memory_line(h), memory_line(h, compressed=True))
+            cands.append((h, tier, lines, [self.count(line) for line in lines]))
+        original: dict[str, int] = {}
+        compressed: dict[str, int] = {}
+        for _, tier, _, (n_orig, n_comp) in cands:
+            original[tier] = original.get(tier, 0) + n_orig
+            compressed[tier] = compressed.get(tier, 0) + n_comp
+        use = self.policy.plan(original, compressed, max(room, 1)).use_compressed if cands else {}
+        chosen = []
+        for h, tier, lines, tokens in cands:
+            i = int(use.get(tier, False))
+            if tokens[i] <= room:
+                chosen.append((h, ContextSegment("recall", lines[i], tokens[i], h.ref, [h.ref])))
+                room -= tokens[i]
         chosen.sort(key=lambda hs: (hs[0].time, hs[0].ref))
         return chosen
+
+    def policy_tier(self, hit: Hit) -> str:
+        """The budget policy's tier of a recalled item: messages are `recall`, memories their kind."""
+        return hit.kind if hit.kind != "message" and hit.kind in self.policy.rates else "recall"
 
     def build(self, blocks: list[CoreBlock], summary: str, memories: list[tuple[Hit, ContextSegment]],
               recent: list[Message], user_text: str, namespace: str = "") -> Context:

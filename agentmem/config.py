@@ -55,6 +55,9 @@ class Config(BaseSettings):
     reply_tokens: int = 256
     evict_trigger: float = 0.9
     recall_k: int = 8
+    # recalled memories use their stored compressed text only when the originals do not fit
+    # the recall share of the budget; True: always (smaller prompts, less accurate on 135M)
+    compress_always: bool = False
 
     # --- kv reuse --------------------------------------------------------------------------
     kv_mode: str = "blend"  # full | reuse | blend

@@ -211,26 +211,54 @@ def test_reflect_compresses_memories_and_messages_once(store, engine):
     assert again.messages_compressed == 0 and again.compressed == 0
 
 
-def test_precomputed_segments_are_the_assemblers(store, engine):
+@pytest.mark.parametrize("always", [False, True])
+def test_precomputed_segments_are_the_assemblers(store, engine, always):
     """Chunk KV is keyed on segment text and namespace: reflection must precompute exactly the
-    segments a later prompt recalls, compressed text included."""
+    segments a later prompt recalls: original text by default, compressed text when the
+    policy always compresses."""
+    from agentmem.compress import BudgetPolicy
     from agentmem.session import AgentSession
 
     _say(store, ["I work as a nurse at the children's hospital in the north of the city on weekends."])
     reflect(store, None, "t1", "u1", use_model=False)
     fact = next(m for m in store.list_memories("t1", "u1", kind="fact"))
     store.update_memory("t1", "u1", fact.id, compressed_text="The user nurse children's hospital weekends.")
-    s = AgentSession("u1", tenant_id="t1", config=store.config, engine=engine, store=store)
+    cfg = store.config.model_copy(update={"compress_always": always})
+    s = AgentSession("u1", tenant_id="t1", config=cfg, engine=engine, store=store)
     ctx = s.context("What is my job?")
     recalled = {seg.ref: seg for seg in ctx.prompt if seg.tier == "recall" and seg.ref != "recall:header"}
     assert f"memory:{fact.id}" in recalled
     reuse = FakeReuse()
-    r = reflect(store, engine, "t1", "u1", use_model=False, kv_reuse=reuse, hot_memories=3)
+    r = reflect(store, engine, "t1", "u1", use_model=False, kv_reuse=reuse, hot_memories=3,
+                policy=BudgetPolicy(always_compress=always))
     assert r.precomputed == len(reuse.segments) >= 1
     by_ref = {seg.ref: seg for seg in reuse.segments}
     assert by_ref[f"memory:{fact.id}"] == recalled[f"memory:{fact.id}"]
-    assert "nurse children's hospital" in by_ref[f"memory:{fact.id}"].text
+    assert ("nurse children's hospital" in by_ref[f"memory:{fact.id}"].text) == always
     assert all(seg.namespace == "t1" and seg.cacheable for seg in reuse.segments)
+
+
+def test_assembler_uses_compressed_text_only_when_the_originals_do_not_fit(engine):
+    from agentmem.assemble import QUESTION_HEADER, RECALL_HEADER, RECALL_SHARE, Assembler, memory_line
+    from agentmem.compress import BudgetPolicy
+    from agentmem.tiers.records import Hit
+
+    hits = [Hit(i, "message", f"On day {i} I told you that my neighbour's old grey cat sleeps on the porch "
+                f"every afternoon while the radio plays number {i}.", 1.0 - i / 10, 0.5, T0 + timedelta(days=i),
+                [i], role="user", compressed_text=f"neighbour cat porch radio {i}") for i in range(4)]
+    big = Assembler(engine, 2048)
+    n_orig = sum(big.count(memory_line(h)) for h in hits)
+    n_comp = sum(big.count(memory_line(h, compressed=True)) for h in hits)
+    header = big.count(big.user_open + RECALL_HEADER + QUESTION_HEADER)
+    assert n_comp + 40 < n_orig
+    roomy = big.select_memories(hits)
+    assert len(roomy) == 4 and all("grey cat" in seg.text for _, seg in roomy)
+    budget = int((header + (n_comp + n_orig) // 2) / RECALL_SHARE) + 1  # fits compressed, not original
+    tight = Assembler(engine, budget).select_memories(hits)
+    assert len(tight) == 4 and all("grey cat" not in seg.text and "porch radio" in seg.text for _, seg in tight)
+    assert sum(seg.tokens for _, seg in tight) == n_comp
+    always = Assembler(engine, 2048, BudgetPolicy(always_compress=True)).select_memories(hits)
+    assert [seg.text for _, seg in always] == [seg.text for _, seg in tight]
 
 
 def test_precomputed_kv_is_used_by_the_next_turn(store, engine, tmp_path):

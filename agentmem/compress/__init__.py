@@ -1,17 +1,25 @@
-"""Prompt compression: LLMLingua on the engine's own model, offline, once per memory."""
+"""Prompt compression: LLMLingua on the engine's own model, offline, once per memory.
 
-from .compressor import CompressionStats, Compressor, compress_memory
-from .lingua import EngineCompressor, EngineLM
-from .policy import BudgetPlan, BudgetPolicy
-from .question import question_aware
+Names load on first use, so the budget policy (which the assembler reads every turn) does not
+import llmlingua."""
 
-__all__ = [
-    "BudgetPlan",
-    "BudgetPolicy",
-    "CompressionStats",
-    "Compressor",
-    "EngineCompressor",
-    "EngineLM",
-    "compress_memory",
-    "question_aware",
-]
+from importlib import import_module
+
+_WHERE = {
+    "BudgetPlan": ".policy",
+    "BudgetPolicy": ".policy",
+    "CompressionStats": ".compressor",
+    "Compressor": ".compressor",
+    "compress_memory": ".compressor",
+    "EngineCompressor": ".lingua",
+    "EngineLM": ".lingua",
+    "question_aware": ".question",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name], __name__), name)

@@ -137,7 +137,8 @@ def reflect(
     report.compressed = _backfill_compressed(store, tenant_id, user_id, compressor)
     reuse = kv_reuse if kv_reuse is not None else _engine_reuse(engine)
     if reuse is not None:
-        report.precomputed = reuse.precompute(hot_segments(store, tenant_id, user_id, hot_memories))
+        report.precomputed = reuse.precompute(hot_segments(store, tenant_id, user_id, hot_memories,
+                                                            compressed=(policy or BudgetPolicy()).always_compress))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -331,7 +332,7 @@ def _hit(item: Memory | Message, chunk: int = 0) -> Hit:
                importance=item.importance, compressed_text=item.compressed_text)
 
 
-def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int) -> list[Segment]:
+def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int, compressed: bool = False) -> list[Segment]:
     """The recall segments of the user's `n` most used memories: those recalled most often
     in the recent turns' traces, then the most important active facts. Each is built with
     the assembler's own `memory_line` and the tenant as namespace, so its chunk-KV key is
@@ -358,4 +359,4 @@ def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int) -> li
     for m in sorted(active.values(), key=lambda m: (-m.importance, -m.id)):
         if f"memory:{m.id}" not in chosen:
             hits.append(_hit(m))
-    return [Segment(memory_line(h), cacheable=True, tier="recall", ref=h.ref, namespace=tenant_id) for h in hits[:n]]
+    return [Segment(memory_line(h, compressed), cacheable=True, tier="recall", ref=h.ref, namespace=tenant_id) for h in hits[:n]]
