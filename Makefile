@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint
+.PHONY: setup demo test bench bench-memory-kv lint
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -30,3 +30,22 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check agentmem tests
+
+# Every benchmark on the default model; each prints its JSON last, kept in docs/bench/ (the
+# README's numbers come from these files). Run on a quiet machine: they time the CPU.
+BENCH := $(VENV)/bin/agentmem bench
+bench: setup
+	mkdir -p docs/bench
+	$(BENCH) engine --json | tail -1 > docs/bench/engine.json
+	$(BENCH) kernels --json | tail -1 > docs/bench/kernels.json
+	$(BENCH) blend --json --curve --metric query | tail -1 > docs/bench/blend-metric-query.json
+	$(BENCH) blend --json --metric v | tail -1 > docs/bench/blend-metric-v.json
+	$(BENCH) memory --json | tail -1 > docs/bench/memory.json
+	$(BENCH) serve --json | tail -1 > docs/bench/serve.json
+
+# What KV reuse does to end-to-end answers: the memory benchmark with exact KV and with the
+# `query` blend metric (the default run above uses the default, `v`).
+bench-memory-kv: setup
+	mkdir -p docs/bench
+	AGENTMEM_KV_MODE=full $(BENCH) memory --json --no-baseline | tail -1 > docs/bench/memory-kv-full.json
+	AGENTMEM_BLEND_METRIC=query $(BENCH) memory --json | tail -1 > docs/bench/memory-metric-query.json

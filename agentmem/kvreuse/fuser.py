@@ -10,10 +10,11 @@ Modes:
   later layers run only those and scatter their K/V over the cached K/V. What ranks the
   cached tokens is the metric: `k` / `v` / `kv` the deviation of the recomputed K or V from
   the cached one at the check layer (CacheBlend's rule); `attn` / `vattn` the question's
-  attention at the check layer (alone, or times the V deviation); `query` (the default) what
-  each token adds to the question's attention outputs in the *later* layers, measured by a
-  cheap probe that runs only the uncached tail (the question) through them against the
-  cached KV. On the benchmark `query` halves the KL of `v` at the same r (docs/kvreuse.md).
+  attention at the check layer (alone, or times the V deviation); `query` what each token
+  adds to the question's attention outputs in the *later* layers, measured by a cheap probe
+  that runs only the uncached tail (the question) through them against the cached KV. On
+  the blend benchmark `query` has 0.67x the KL of `v` at the same r, but it did worse end to
+  end on the memory benchmark, so `v` stays the default (docs/kvreuse.md).
 
 Attention is exact and causal by position (query at p sees keys at <= p). With ratio 1.0
 every token runs every layer, in the same calls `full` makes, so the logits are the same.
