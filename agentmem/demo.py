@@ -1,7 +1,8 @@
 """`agentmem demo`: memory at work across sessions and processes, on the embedded defaults.
 
 Session 1 states a few facts; session 2 is a long stretch of unrelated talk (imported,
-no generation); then a NEW PROCESS opens a new session per question on the same data
+no generation); offline reflection (templates only) distils the facts, with their source
+messages, into memories and the "human" core block; then a NEW PROCESS opens a new session per question on the same data
 directory and asks about the facts. Each answer is printed with the memories its prompt was
 built from, the prompt's size against the whole history, and how much of its KV was reused.
 """
@@ -48,6 +49,12 @@ def phase_one(data_dir: str, max_tokens: int, engine=None, store=None, pairs: in
                   {"role": "assistant", "content": f"One curious thing about {t} is how much history it hides."}]
     s2.add_messages(turns)
     print(f"\n=== session 2 ({s2.session_id[:8]}): {len(turns)} messages of unrelated talk imported ===")
+    from .reflect import reflect
+
+    r = reflect(s.store, None, s.tenant_id, s.user_id, use_model=False)  # templates only: about a second
+    print(f"\n=== offline reflection: {r.messages_read} messages read, {len(r.facts_added)} facts written ===")
+    for m in s.store.list_memories(s.tenant_id, s.user_id, status="active", kind="fact"):
+        print(f"  fact: {m.text}  (from message {', '.join(map(str, m.source_ids))})")
 
 
 def phase_two(data_dir: str, max_tokens: int, engine=None, store=None) -> None:

@@ -17,6 +17,7 @@ def test_demo_recalls_facts_of_an_earlier_session(tmp_path, engine, embedder, ca
     second.close()
     out = capsys.readouterr().out
     assert "=== session 2" in out and "20 messages of unrelated talk imported" in out
+    assert "fact: The user's dog is Biscuit.  (from message" in out  # reflection ran between the phases
     memory_lines = [ln for ln in out.splitlines() if ln.strip().startswith("* message:")]
     for fact in FACTS:  # each fact of session 1 went into a prompt of session 3
         assert any(fact in ln for ln in memory_lines), out
