@@ -5,6 +5,7 @@ installed); every test that needs a model uses `engine`."""
 from __future__ import annotations
 
 import os
+import uuid
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -39,3 +40,25 @@ def embedder():
     from agentmem.tiers.embed import load_embedder
 
     return load_embedder()
+
+
+PG_URL = os.environ.get("AGENTMEM_TEST_PG_URL")
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh, empty PostgreSQL schema of this test's own on AGENTMEM_TEST_PG_URL (other tests
+    may share the database), dropped afterwards; the test is skipped, saying so, when unset."""
+    if not PG_URL:
+        pytest.skip("AGENTMEM_TEST_PG_URL is unset: set it to a PostgreSQL URL "
+                    "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test) to run")
+    import sqlalchemy as sa
+
+    schema = f"agentmem_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL)
+    with admin.begin() as c:
+        c.execute(sa.text(f"create schema {schema}"))
+    yield sa.engine.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(False)
+    with admin.begin() as c:
+        c.execute(sa.text(f"drop schema {schema} cascade"))
+    admin.dispose()

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import types
-import uuid
 
 import httpx
 import pytest
@@ -329,25 +328,6 @@ def test_real_chunk_cache_is_dropped_with_its_tenant(embedder, tmp_path):
     store.close()
     assert reuse.drop_namespace(tid) == 0  # nothing of the tenant was left to drop
     assert reuse.stats()["entries"] == 0 and not any((tmp_path / "chunks").rglob("*.kv"))
-
-
-PG_URL = os.environ.get("AGENTMEM_TEST_PG_URL")
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh PostgreSQL schema of this test's own."""
-    sa = pytest.importorskip("sqlalchemy")
-    if not PG_URL:
-        pytest.skip("AGENTMEM_TEST_PG_URL is unset (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)")
-    schema = f"agentmem_api_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL)
-    with admin.begin() as c:
-        c.execute(sa.text(f"create schema {schema}"))
-    yield sa.engine.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(False)
-    with admin.begin() as c:
-        c.execute(sa.text(f"drop schema {schema} cascade"))
-    admin.dispose()
 
 
 def test_two_replicas_on_postgresql_share_tenants_and_memory(engine, embedder, pg_url, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -248,24 +247,6 @@ def test_processes_opening_a_new_archive_together_migrate_once(tmp_path):
         assert c.execute(sa.text("select count(*) from alembic_version")).scalar() == 1
 
 
-PG_URL = os.environ.get("AGENTMEM_TEST_PG_URL")
-needs_pg = pytest.mark.skipif(not PG_URL, reason="AGENTMEM_TEST_PG_URL is unset: set it to a PostgreSQL URL "
-                                                 "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test) to run")
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh, empty PostgreSQL schema of its own (other tests may share the database)."""
-    schema = f"agentmem_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL)
-    with admin.begin() as c:
-        c.execute(sa.text(f"create schema {schema}"))
-    yield sa.engine.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(False)
-    with admin.begin() as c:
-        c.execute(sa.text(f"drop schema {schema} cascade"))
-    admin.dispose()
-
-
 def _upgrade_keeps_rows(url: str) -> None:
     """0001 with a message in it, then upgrade to head: the row survives the new column;
     downgrade to base drops every table; upgrade again matches the models."""
@@ -299,7 +280,6 @@ def test_migration_upgrade_keeps_rows_sqlite(tmp_path):
     _upgrade_keeps_rows(f"sqlite:///{tmp_path / 'up.db'}")
 
 
-@needs_pg
 def test_postgresql_migrations_upgrade_and_concurrent_start(pg_url, tmp_path):
     _upgrade_keeps_rows(pg_url)
     with sa.create_engine(pg_url).begin() as c:
@@ -310,7 +290,6 @@ def test_postgresql_migrations_upgrade_and_concurrent_start(pg_url, tmp_path):
         assert c.execute(sa.text("select count(*) from alembic_version")).scalar() == 1
 
 
-@needs_pg
 def test_postgresql_archive(tmp_path, embedder, pg_url):
     s = MemoryStore(Config(data_dir=tmp_path, db_url=pg_url), embedder=embedder)
     a, b = s.create_tenant(f"pg-{uuid.uuid4().hex[:8]}"), s.create_tenant("pg-other")
