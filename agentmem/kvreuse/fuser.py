@@ -87,14 +87,22 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
     return out
 
 
+def _attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Exact causal attention weights (fp32) of queries q [Nq,H,hd] over keys k [T,KV,hd]:
+    [KV, g*Nq, T], rows ordered (group, query) with g = H // KV (query head h uses KV head h // g)."""
+    n, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    qg = q.float().view(n, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * n, hd)
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * hd**-0.5
+    scores.masked_fill_(~(k_pos[None, :] <= q_pos.repeat(g)[:, None]), float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
 def _attention_share(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """How much attention queries q [Nq,H,hd] pay to each key of k [T,KV,hd], summed over
     queries and heads: [T]."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    kk = k.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", q.float(), kk.float()) * q.shape[-1] ** -0.5
-    scores.masked_fill_(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
-    return torch.softmax(scores, dim=-1).sum((0, 1))
+    return _attention_probs(q, k, q_pos, k_pos).sum((0, 1))
 
 
 def _attend_and_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -104,13 +112,9 @@ def _attend_and_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     over queries and heads. Returns ([Nq,H,hd], [T])."""
     n, heads, hd = q.shape
     kv_heads = k.shape[1]
-    g = heads // kv_heads
-    qg = q.view(n, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * n, hd)  # rows: (group, query)
-    scores = torch.bmm(qg, k.permute(1, 2, 0)) * hd**-0.5  # [KV, g*n, T]
-    scores.masked_fill_(~(k_pos[None, :] <= q_pos.repeat(g)[:, None]), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1)
+    probs = _attention_probs(q, k, q_pos, k_pos)
     out = torch.bmm(probs.to(v.dtype), v.transpose(0, 1))  # [KV, g*n, hd]
-    out = out.view(kv_heads, g, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+    out = out.view(kv_heads, heads // kv_heads, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
     share = (probs.sum(1) * v.float().norm(dim=-1).T).sum(0)
     return out, share
 
