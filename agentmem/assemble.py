@@ -138,7 +138,8 @@ class Assembler:
             seen.add(said)
             tier = self.policy_tier(h)
             lines = (memory_line(h), memory_line(h, compressed=True))
-            cands.append((h, tier, lines, [self.count(line) for line in lines]))
+            n_orig = self.count(lines[0])
+            cands.append((h, tier, lines, [n_orig, n_orig if lines[1] == lines[0] else self.count(lines[1])]))
         original: dict[str, int] = {}
         compressed: dict[str, int] = {}
         for _, tier, _, (n_orig, n_comp) in cands:
