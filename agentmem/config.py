@@ -64,6 +64,7 @@ class Config(BaseSettings):
     blend_ratio: float = 0.15
     blend_check_layer: int = 1  # layers 0..this run every token; the selection is made here
     blend_metric: str = "v"  # k | v | kv | attn | vattn | query: what picks the tokens to recompute (kvreuse/fuser.py, docs/kvreuse.md)
+    blend_drift: float = 0.0  # share of each blended chunk recomputed to estimate its mean KV drift (kvreuse/fuser.py _Drift)
     kv_ram_bytes: int = 1 << 30
     kv_gpu_bytes: int = 2 << 30  # on CUDA, the tier above RAM
     kv_disk_dir: Path | None = None  # default: <data_dir>/chunks (KV of users' memories is user data)

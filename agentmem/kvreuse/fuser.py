@@ -144,10 +144,74 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
     return share
 
 
+def _unselected(cached: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    keep = cached.clone()
+    keep[rows] = False
+    return keep.nonzero()[:, 0]
+
+
 def _top(cached_idx: torch.Tensor, score: torch.Tensor, ratio: float) -> torch.Tensor:
     """The `ratio` share of cached positions with the highest score (rounded up)."""
     n_pick = min(len(cached_idx), math.ceil(ratio * len(cached_idx) - 1e-9))
     return cached_idx[score.topk(n_pick).indices]
+
+
+@dataclass
+class _Drift:
+    """The mean drift of each cached chunk's KV. A chunk's cached KV was computed without the
+    text that now precedes it; part of the error is common to all its tokens. A few tokens
+    per chunk, evenly spaced (`sample`), are always recomputed; at every blended layer the
+    mean of their (recomputed - cached) K before RoPE and V, per chunk, is added to that
+    chunk's tokens that are not recomputed (K rotated to their positions)."""
+
+    pos: torch.Tensor  # [S] sampled positions, sorted
+    group: torch.Tensor  # [S] chunk of each sample
+    k_raw: torch.Tensor  # [L, S, KV, hd] cached K before RoPE at the samples
+    v: torch.Tensor  # [L, S, KV, hd] cached V at the samples
+    token_group: torch.Tensor  # [T] chunk of each position (-1: not a blended chunk)
+    n_groups: int
+
+    @staticmethod
+    def sample(pieces: list[Piece], share: float, n_tok: int, device) -> _Drift | None:
+        pos, group, ks, vs = [], [], [], []
+        token_group = torch.full((n_tok,), -1, dtype=torch.long, device=device)
+        for p in pieces:
+            if p.kv is None or p.exact or not p.n:
+                continue
+            g = int(token_group.max()) + 1
+            token_group[p.start : p.start + p.n] = g
+            n_s = max(1, round(share * p.n))
+            local = ((torch.arange(n_s, device=device) + 0.5) * p.n / n_s).long()
+            pos.append(p.start + local)
+            group.append(torch.full((n_s,), g, dtype=torch.long, device=device))
+            ks.append(p.kv.k.to(device)[:, local])
+            vs.append(p.kv.v.to(device)[:, local])
+        if not pos:
+            return None
+        return _Drift(torch.cat(pos), torch.cat(group), torch.cat(ks, 1), torch.cat(vs, 1), token_group,
+                      int(token_group.max()) + 1)
+
+    def apply(self, model: Transformer, idx: int, rows: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
+              k_l: torch.Tensor, v_l: torch.Tensor, unsel: torch.Tensor) -> None:
+        """Layer `idx`: rows' fresh K before RoPE / V given; shift k_l/v_l at `unsel` in place."""
+        r = torch.searchsorted(rows, self.pos)
+        shape = (self.n_groups, *k_raw.shape[1:])
+        count = torch.zeros(self.n_groups, device=v.device).index_add_(0, self.group, torch.ones_like(self.group,
+                                                                                          dtype=torch.float))
+        dk = torch.zeros(shape, device=v.device).index_add_(0, self.group, (k_raw[r] - self.k_raw[idx]).float())
+        dv = torch.zeros(shape, device=v.device).index_add_(0, self.group, (v[r] - self.v[idx]).float())
+        g = self.token_group[unsel]
+        count = count[:, None, None]
+        k_l[unsel] += place_k(model, (dk / count)[g][None].to(k_l.dtype), unsel)[0]
+        v_l[unsel] += (dv / count)[g].to(v_l.dtype)
+
+
+def _pick(cached_idx: torch.Tensor, score: torch.Tensor, ratio: float, drift: _Drift | None) -> torch.Tensor:
+    """The top `ratio` of cached positions by score, the drift samples always among them."""
+    if drift is not None:
+        score = score.clone()
+        score[torch.searchsorted(cached_idx, drift.pos)] = float("inf")
+    return _top(cached_idx, score, ratio)
 
 
 def _deviation(old_k, old_v, new_k, new_v, metric: str) -> torch.Tensor:
@@ -169,6 +233,7 @@ def fuse(
     check_layer: int = 1,
     metric: str = "k",
     keep_raw: bool = False,
+    drift: float = 0.0,
 ) -> Fused:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -176,6 +241,11 @@ def fuse(
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drift must be in [0, 1], got {drift}")
+    if not -1 <= check_layer < model.args.n_layers or (check_layer == -1 and metric != "query"):
+        raise ValueError(f"check_layer must be in [0, {model.args.n_layers}) (or -1 with metric 'query'), "
+                         f"got {check_layer}")
     a = model.args
     dev = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
@@ -212,16 +282,25 @@ def fuse(
         rows, start = pos[prefix:], prefix
     check = check_layer if mode == "blend" and len(cached_idx) else None
     ids_t = torch.tensor(ids, device=dev)
+    picked: list[torch.Tensor] = []
+    drifts = _Drift.sample(pieces, min(drift, ratio), n_tok, dev) if check is not None and drift > 0 else None
+    unsel: torch.Tensor | None = None  # cached positions not recomputed, once the selection is made
+    if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
+        tail = torch.unique(torch.cat([new_idx, last]))
+        share = _probe(model, model.embed_tokens(ids_t[tail]), tail, k_all, v_all, 0)
+        picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
+        rows = torch.unique(torch.cat([picked[0], new_idx, last]))
+        start = prefix if len(rows) == n_tok - prefix else None
+        unsel = _unselected(cached, rows)
     h = model.embed_tokens(ids_t[rows])
     new_k_raw = (torch.empty(a.n_layers, len(new_idx), a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
                  if keep_raw else None)
     new_rows = torch.searchsorted(rows, new_idx)
-    picked: list[torch.Tensor] = []
 
     for i, layer in enumerate(model.layers):
         q_pos = pos[rows]
 
-        def attn(idx, q, k_raw, k_rot, v, rows=rows, start=start, q_pos=q_pos, new_rows=new_rows):
+        def attn(idx, q, k_raw, k_rot, v, rows=rows, start=start, q_pos=q_pos, new_rows=new_rows, unsel=unsel):
             k_l, v_l = k_all[idx], v_all[idx]
             if idx == check and metric != "query":
                 crow = torch.searchsorted(rows, cached_idx)
@@ -231,7 +310,9 @@ def fuse(
                     k_now[start:] = k_rot
                     share = _attention_share(q[new_rows], k_now, pos[new_idx], pos)[cached_idx]
                     d = share if metric == "attn" else d * share
-                picked.append(_top(cached_idx, d, ratio))
+                picked.append(_pick(cached_idx, d, ratio, drifts))
+            if drifts is not None and unsel is not None and len(unsel):
+                drifts.apply(model, idx, rows, k_raw, v, k_l, v_l, unsel)
             if start is not None:
                 k_l[start:] = k_rot
                 v_l[start:] = v
@@ -248,7 +329,7 @@ def fuse(
         if i == check and metric == "query":
             tail = torch.unique(torch.cat([new_idx, last]))
             share = _probe(model, h[torch.searchsorted(rows, tail)], tail, k_all, v_all, i + 1)
-            picked.append(_top(cached_idx, share[cached_idx], ratio))
+            picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
         if i == check and i + 1 < a.n_layers:
             sel = torch.unique(torch.cat([picked[0], new_idx, last]))
             h = h[torch.searchsorted(rows, sel)]
@@ -256,6 +337,7 @@ def fuse(
             if len(sel) == n_tok - prefix:  # everything picked: the contiguous path again
                 start = prefix
             new_rows = torch.searchsorted(rows, new_idx)
+            unsel = _unselected(cached, rows)
     ran = torch.zeros(n_tok, dtype=torch.bool, device=dev)
     ran[rows] = True
     return Fused(k_all, v_all, model.logits(h[-1:])[0], ran, new_k_raw, new_idx)

@@ -45,6 +45,7 @@ class ChunkReuse:
         self.ratio = cfg.blend_ratio
         self.check_layer = cfg.blend_check_layer
         self.metric = cfg.blend_metric
+        self.drift = cfg.blend_drift
         self.store = store if store is not None else store_from_config(cfg, engine.device)
         self._anchor: ChunkKV | None = None
         self._anchor_ids: list[int] = []
@@ -89,7 +90,7 @@ class ChunkReuse:
             context = next_context(context, seg_ids)
             start += n
         fused = fuse(self.engine.model, ids, pieces, mode, ratio, self.check_layer, self.metric,
-                     keep_raw=store and mode != "full")
+                     keep_raw=store and mode != "full", drift=self.drift)
         ran = fused.ran.tolist()
         segments, reused, recomputed, prefilled = [], 0, 0, 0
         for (_, _, seg), p, h in zip(parts, pieces, how, strict=True):
