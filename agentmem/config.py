@@ -62,9 +62,9 @@ class Config(BaseSettings):
     # --- kv reuse --------------------------------------------------------------------------
     kv_mode: str = "blend"  # full | reuse | blend
     blend_ratio: float = 0.15
-    blend_check_layer: int = 1  # layers 0..this run every token; the selection is made here
-    blend_metric: str = "v"  # k | v | kv | attn | vattn | query: what picks the tokens to recompute (kvreuse/fuser.py, docs/kvreuse.md)
-    blend_drift: float = 0.0  # share of each blended chunk recomputed to estimate its mean KV drift (kvreuse/fuser.py _Drift)
+    blend_check_layer: int | None = None  # layers 0..this run every token; None: -1 (none) for query, 1 for the others
+    blend_metric: str = "query"  # k | v | kv | attn | vattn | query: what picks the tokens to recompute (kvreuse/fuser.py, docs/kvreuse.md)
+    blend_drift: float = 0.03  # share of each blended chunk recomputed to estimate its mean KV drift (0: off; kvreuse/fuser.py _Drift)
     kv_ram_bytes: int = 1 << 30
     kv_gpu_bytes: int = 2 << 30  # on CUDA, the tier above RAM
     kv_disk_dir: Path | None = None  # default: <data_dir>/chunks (KV of users' memories is user data)

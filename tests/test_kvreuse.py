@@ -15,11 +15,12 @@ from agentmem.kvreuse import (
     ChunkStore,
     chunk_key,
     enable_chunk_reuse,
+    fuser,
     get_reuse,
     place_k,
 )
 from agentmem.kvreuse.bench import kl
-from agentmem.kvreuse.fuser import METRICS, _attend_and_share, attend_rows
+from agentmem.kvreuse.fuser import METRICS, Piece, _attend_and_share, _Drift, attend_rows, fuse
 
 FACTS = [
     "- 2024-03-02 the user said: \"My cat is called Miso and she is four years old.\"\n",
@@ -179,6 +180,54 @@ def test_probe_attention_equals_the_reference_and_shares_what_values_add():
     assert share.shape == (120,) and share[7] == 0 and (share[102:] == 0).all() and (share[:102] > 0).sum() == 101
 
 
+def test_drift_groups_short_chunks_until_they_give_enough_samples():
+    kv = kv_entry(layers=2, tokens=100)
+    pieces = [Piece(0, 10, kv_entry(2, 10), exact=True)] + [Piece(10 + 100 * i, 100, kv) for i in range(5)]
+    pieces.append(Piece(510, 5))  # uncached: never sampled, never shifted
+    d = _Drift.sample(pieces, share=0.04, n_tok=515, device="cpu", min_samples=8)  # groups of >= 200 tokens
+    assert d.n_groups == 2  # 200 + 300 tokens: the short remainder joins the group before it
+    assert (d.token_group[:10] == -1).all() and (d.token_group[510:] == -1).all()
+    assert (d.token_group[10:210] == 0).all() and (d.token_group[210:510] == 1).all()
+    assert [int((d.group == g).sum()) for g in (0, 1)] == [8, 12]
+    assert len(set(d.pos.tolist())) == 20 and all(10 <= p < 510 for p in d.pos.tolist())
+    assert d.k_raw.shape == (2, 20, 3, 8)
+    # too few cached tokens for one group of min_samples: no drift at all
+    assert _Drift.sample(pieces[:2], share=0.04, n_tok=110, device="cpu", min_samples=8) is None
+
+
+def test_drift_shifts_the_tokens_not_recomputed_by_their_group_mean(engine):
+    model, layers = engine.model, engine.model.args.n_layers
+    kv_heads, hd = engine.model.args.n_kv_heads, engine.model.args.head_dim
+    g = torch.Generator().manual_seed(3)
+    stale = ChunkKV(torch.randn(layers, 40, kv_heads, hd, generator=g), torch.randn(layers, 40, kv_heads, hd, generator=g))
+    d = _Drift.sample([Piece(0, 40, stale)], share=0.1, n_tok=40, device="cpu", min_samples=4)
+    rows = d.pos  # only the samples run
+    fresh_k = stale.k[:, rows] + torch.randn(layers, len(rows), kv_heads, hd, generator=g)
+    fresh_v = stale.v[:, rows] + torch.randn(layers, len(rows), kv_heads, hd, generator=g)
+    pos = torch.arange(40)
+    k_l, v_l = place_k(model, stale.k, pos)[5].clone(), stale.v[5].clone()
+    unsel = torch.tensor([i for i in range(40) if i not in set(rows.tolist())])
+    d.apply(model, 5, rows, fresh_k[5], fresh_v[5], k_l, v_l, unsel)
+    mk = (fresh_k[5] - stale.k[5, rows]).mean(0)
+    mv = (fresh_v[5] - stale.v[5, rows]).mean(0)
+    want_k = place_k(model, (stale.k[5, unsel] + mk)[None], unsel)[0]
+    assert (k_l[unsel] - want_k).abs().max().item() < 1e-4
+    assert (v_l[unsel] - (stale.v[5, unsel] + mv)).abs().max().item() < 1e-5
+    assert torch.equal(k_l[rows], place_k(model, stale.k, pos)[5][rows])  # the samples' own rows are the pass's
+
+
+def test_bad_blend_settings_are_clear_errors(engine, tmp_path):
+    ids = engine.encode("hello there")
+    with pytest.raises(ValueError, match="check_layer"):
+        fuse(engine.model, ids, [Piece(0, len(ids))], "blend", metric="v", check_layer=-1)
+    with pytest.raises(ValueError, match="drift"):
+        fuse(engine.model, ids, [Piece(0, len(ids))], "blend", drift=1.5)
+    with pytest.raises(ValueError, match="blend_check_layer"):
+        ChunkReuse(view(engine, tmp_path, kv_mode="blend", blend_metric="v", blend_check_layer=-1))
+    with pytest.raises(ValueError, match="blend_drift"):
+        ChunkReuse(view(engine, tmp_path, kv_mode="blend", blend_drift=-0.1))
+
+
 @pytest.fixture
 def metric(warm, request):
     """Run a test with the fixture's planner on another selection metric, then restore it."""
@@ -188,9 +237,16 @@ def metric(warm, request):
     reuse.metric = before
 
 
+@pytest.fixture
+def small_drift_groups(monkeypatch):
+    """The test prompts are short: let drift groups form from 2 samples so drift is active."""
+    monkeypatch.setattr(fuser, "DRIFT_MIN_SAMPLES", 2)
+
+
 @pytest.mark.parametrize("metric", METRICS, indirect=True)
-def test_blend_at_ratio_one_gives_the_full_logits(warm, metric):
+def test_blend_at_ratio_one_gives_the_full_logits(warm, metric, small_drift_groups):
     e, reuse = warm
+    assert reuse.drift > 0
     parts = e.tokenize_prompt(prompt(e, [2, 0, 3], QUESTIONS[1]))
     full = reuse.plan(parts, mode="full", store=False)
     one = reuse.plan(parts, mode="blend", ratio=1.0, store=False)
@@ -212,6 +268,27 @@ def test_blend_is_closer_to_full_than_reuse(warm, metric):
             assert r.reused > 0 and r.prefilled > 0
     assert sum(kls["blend"]) < sum(kls["reuse"])
     assert sum(kls["reuse"]) > 0
+
+
+def test_drift_brings_blend_closer_to_full_on_longer_chunks(engine, tmp_path, monkeypatch):
+    """Chunks of ~128 tokens (the bench's workload, smaller): per prompt, blend with the drift
+    correction is closer to full prefill than blend without it, which is closer than reuse."""
+    from agentmem.kvreuse.bench import build_prompts
+
+    monkeypatch.setattr(fuser, "DRIFT_MIN_SAMPLES", 4)
+    e = view(engine, tmp_path, kv_mode="blend")
+    reuse = ChunkReuse(e)
+    prompts, memory = build_prompts(e, 3, 6, 4, 128, seed=5)
+    reuse.precompute(memory)
+    for p in prompts:
+        parts = e.tokenize_prompt(p)
+        full = reuse.plan(parts, mode="full", store=False).last_logits
+        kls = {}
+        for name, drift in (("drift", 0.03), ("plain", 0.0)):
+            reuse.drift = drift
+            kls[name] = kl(full, reuse.plan(parts, mode="blend", store=False).last_logits)
+        kls["reuse"] = kl(full, reuse.plan(parts, mode="reuse", store=False).last_logits)
+        assert kls["drift"] < kls["plain"] < kls["reuse"], kls
 
 
 def test_stats_count_each_token_once(warm):

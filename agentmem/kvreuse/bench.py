@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--ratio", type=float, default=None, help="blend ratio (default: config blend_ratio)")
     ap.add_argument("--metric", choices=METRICS, default=None)
-    ap.add_argument("--check-layer", type=int, default=None)
+    ap.add_argument("--check-layer", type=int, default=None,
+                    help="layers 0..this run every token (default: -1 for query, 1 for the others)")
+    ap.add_argument("--drift", type=float, default=None,
+                    help="share of each chunk group recomputed for the drift correction (default: config blend_drift; 0: off)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--curve", action="store_true", help="also sweep r and plot docs/img/blend_curve.png")
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         over = {k: v for k, v in (("blend_ratio", args.ratio), ("blend_metric", args.metric),
-                                  ("blend_check_layer", args.check_layer)) if v is not None}
+                                  ("blend_check_layer", args.check_layer),
+                                  ("blend_drift", args.drift)) if v is not None}
         cfg = Config(dtype=args.dtype, kv_mode="full", kv_disk_dir=tmp, **over)
         engine = Engine.load(cfg)
         reuse = ChunkReuse(engine, cfg.model_copy(update={"kv_mode": "blend"}))
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": reuse.ratio,
             "metric": reuse.metric,
             "check_layer": reuse.check_layer,
+            "drift": reuse.drift,
+            "chunk_tokens": args.chunk_tokens,
+            "chunks_per_prompt": args.per_prompt,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
         }

@@ -5,16 +5,30 @@ Modes:
 - `full`: every token runs through every layer (plain prefill; the baseline).
 - `reuse`: cached KV is re-rotated to its positions and used as is; only uncached tokens
   (and the last token, whose logits are needed) run.
-- `blend`: layers 0..check_layer run every token after the exact prefix; then the top
-  `ratio` of the cached tokens are picked, plus every uncached token and the last token;
-  later layers run only those and scatter their K/V over the cached K/V. What ranks the
-  cached tokens is the metric: `k` / `v` / `kv` the deviation of the recomputed K or V from
-  the cached one at the check layer (CacheBlend's rule); `attn` / `vattn` the question's
-  attention at the check layer (alone, or times the V deviation); `query` what each token
-  adds to the question's attention outputs in the *later* layers, measured by a cheap probe
-  that runs only the uncached tail (the question) through them against the cached KV. On
-  the blend benchmark `query` has 0.67x the KL of `v` at the same r, but it did worse end to
-  end on the memory benchmark, so `v` stays the default (docs/kvreuse.md).
+- `blend`: pick the top `ratio` of the cached tokens, plus every uncached token and the last
+  token; run only those and scatter their K/V over the cached K/V. What ranks the cached
+  tokens is the metric:
+  - `k` / `v` / `kv` (CacheBlend's rule): layers 0..check_layer (default 1) run every token
+    after the exact prefix, and the deviation of the recomputed K or V from the cached one at
+    the check layer ranks them; `attn` / `vattn` use the question's attention there instead
+    (alone, or times the V deviation).
+  - `query` (the default): a cheap probe runs only the uncached tail (the question) through
+    the layers against the cached KV, as `reuse` would, and ranks the cached tokens by what
+    they add to its attention outputs (attention x value norm, summed over layers and heads):
+    the tokens the question actually reads. Its default check_layer is -1: no layer runs
+    every token. Layer-0 K/V depends on the token alone, so recomputing it for every token
+    (as check_layer 0 would) changes nothing; the probe starts from the embeddings.
+- `drift` (a share of each chunk, default 0.03 via Config.blend_drift): besides the top
+  tokens, a few evenly spaced tokens of every cached chunk are always recomputed, and at
+  every blended layer the mean of their (recomputed - cached) K and V, per chunk, is added
+  to that chunk's tokens that are not recomputed (see `_Drift`). A chunk's cached KV misses
+  the text that now precedes it, and much of that error is shared by all its tokens; top-r
+  selection alone cannot fix an error spread over every token. The drift samples count
+  inside `ratio`: the recompute budget is unchanged.
+
+On the blend benchmark (2k-token prompts, r = 0.15) the KL of the next-token distribution
+against full prefill is: reuse 0.18, `v` 0.12, `query` 0.073, `query` + drift 0.026
+(docs/kvreuse.md has the measured runs).
 
 Attention is exact and causal by position (query at p sees keys at <= p). With ratio 1.0
 every token runs every layer, in the same calls `full` makes, so the logits are the same.
@@ -33,6 +47,7 @@ from ..engine.model_runner import attend_chunk
 from .store import ChunkKV
 
 MODES = ("full", "reuse", "blend")
+DRIFT_MIN_SAMPLES = 12  # see _Drift.sample; 8-16 measured alike (docs/kvreuse.md)
 METRICS = ("k", "v", "kv", "attn", "vattn", "query")
 
 
@@ -172,24 +187,42 @@ class _Drift:
     n_groups: int
 
     @staticmethod
-    def sample(pieces: list[Piece], share: float, n_tok: int, device) -> _Drift | None:
-        pos, group, ks, vs = [], [], [], []
-        token_group = torch.full((n_tok,), -1, dtype=torch.long, device=device)
+    def sample(pieces: list[Piece], share: float, n_tok: int, device, min_samples: int | None = None
+               ) -> _Drift | None:
+        """Group consecutive cached chunks until a group gives `min_samples` samples at `share`
+        (a short chunk alone gives too few for a mean: one sample's delta is mostly its own
+        token's, and applying it to the rest hurts), and pick `share` of each group's tokens,
+        evenly spaced, as its samples. None when all cached chunks together give fewer."""
+        min_samples = DRIFT_MIN_SAMPLES if min_samples is None else min_samples
+        group_tokens = math.ceil(min_samples / share - 1e-9)
+        groups: list[list[Piece]] = [[]]
         for p in pieces:
             if p.kv is None or p.exact or not p.n:
                 continue
-            g = int(token_group.max()) + 1
-            token_group[p.start : p.start + p.n] = g
-            n_s = max(1, round(share * p.n))
-            local = ((torch.arange(n_s, device=device) + 0.5) * p.n / n_s).long()
-            pos.append(p.start + local)
-            group.append(torch.full((n_s,), g, dtype=torch.long, device=device))
-            ks.append(p.kv.k.to(device)[:, local])
-            vs.append(p.kv.v.to(device)[:, local])
-        if not pos:
+            if groups[-1] and sum(q.n for q in groups[-1]) >= group_tokens:
+                groups.append([])
+            groups[-1].append(p)
+        if len(groups) > 1 and sum(q.n for q in groups[-1]) < group_tokens:
+            rest = groups.pop()
+            groups[-1] += rest  # a short remainder joins the group before it
+        if sum(q.n for q in groups[0]) < group_tokens:
             return None
+        token_group = torch.full((n_tok,), -1, dtype=torch.long, device=device)
+        pos, group, ks, vs = [], [], [], []
+        for g, members in enumerate(groups):
+            at = torch.cat([torch.arange(p.start, p.start + p.n, device=device) for p in members])
+            n_s = max(1, round(share * len(at)))
+            pick = ((torch.arange(n_s, device=device) + 0.5) * len(at) / n_s).long()
+            token_group[at] = g
+            pos.append(at[pick])
+            group.append(torch.full((n_s,), g, dtype=torch.long, device=device))
+            for p in members:
+                local = at[pick] - p.start
+                local = local[(local >= 0) & (local < p.n)]
+                ks.append(p.kv.k.to(device)[:, local])
+                vs.append(p.kv.v.to(device)[:, local])
         return _Drift(torch.cat(pos), torch.cat(group), torch.cat(ks, 1), torch.cat(vs, 1), token_group,
-                      int(token_group.max()) + 1)
+                      len(groups))
 
     def apply(self, model: Transformer, idx: int, rows: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
               k_l: torch.Tensor, v_l: torch.Tensor, unsel: torch.Tensor) -> None:
@@ -230,8 +263,8 @@ def fuse(
     pieces: list[Piece],
     mode: str = "blend",
     ratio: float = 0.15,
-    check_layer: int = 1,
-    metric: str = "k",
+    check_layer: int | None = None,
+    metric: str = "query",
     keep_raw: bool = False,
     drift: float = 0.0,
 ) -> Fused:
@@ -243,6 +276,8 @@ def fuse(
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift must be in [0, 1], got {drift}")
+    if check_layer is None:
+        check_layer = -1 if metric == "query" else 1
     if not -1 <= check_layer < model.args.n_layers or (check_layer == -1 and metric != "query"):
         raise ValueError(f"check_layer must be in [0, {model.args.n_layers}) (or -1 with metric 'query'), "
                          f"got {check_layer}")

@@ -40,6 +40,13 @@ class ChunkReuse:
             raise ValueError(f"kv_mode must be one of {MODES}, got {cfg.kv_mode!r}")
         if cfg.blend_metric not in METRICS:
             raise ValueError(f"blend_metric must be one of {METRICS}, got {cfg.blend_metric!r}")
+        if not 0.0 <= cfg.blend_drift <= 1.0:
+            raise ValueError(f"blend_drift must be in [0, 1], got {cfg.blend_drift}")
+        n_layers = engine.model.args.n_layers
+        if cfg.blend_check_layer is not None and not (
+                0 <= cfg.blend_check_layer < n_layers or (cfg.blend_check_layer == -1 and cfg.blend_metric == "query")):
+            raise ValueError(f"blend_check_layer must be in [0, {n_layers}), or -1 with blend_metric 'query', "
+                             f"got {cfg.blend_check_layer}")
         self.engine = engine
         self.mode = cfg.kv_mode
         self.ratio = cfg.blend_ratio
