@@ -38,14 +38,17 @@ bench: setup
 	mkdir -p docs/bench
 	$(BENCH) engine --json | tail -1 > docs/bench/engine.json
 	$(BENCH) kernels --json | tail -1 > docs/bench/kernels.json
-	$(BENCH) blend --json --curve --metric query | tail -1 > docs/bench/blend-metric-query.json
-	$(BENCH) blend --json --metric v | tail -1 > docs/bench/blend-metric-v.json
+	$(BENCH) blend --json --curve | tail -1 > docs/bench/blend.json
+	$(BENCH) blend --json --drift 0 | tail -1 > docs/bench/blend-no-drift.json
+	$(BENCH) blend --json --metric v --drift 0 | tail -1 > docs/bench/blend-cacheblend-v.json
+	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 | tail -1 > docs/bench/blend-short-chunks.json
+	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 --drift 0 | tail -1 > docs/bench/blend-short-chunks-no-drift.json
 	$(BENCH) memory --json | tail -1 > docs/bench/memory.json
 	$(BENCH) serve --json | tail -1 > docs/bench/serve.json
 
 # What KV reuse does to end-to-end answers: the memory benchmark with exact KV and with the
-# `query` blend metric (the default run above uses the default, `v`).
+# CacheBlend's own rule (V deviation at layer 1, no drift); the default run above uses query + drift.
 bench-memory-kv: setup
 	mkdir -p docs/bench
 	AGENTMEM_KV_MODE=full $(BENCH) memory --json --no-baseline | tail -1 > docs/bench/memory-kv-full.json
-	AGENTMEM_BLEND_METRIC=query $(BENCH) memory --json | tail -1 > docs/bench/memory-metric-query.json
+	AGENTMEM_BLEND_METRIC=v AGENTMEM_BLEND_DRIFT=0 $(BENCH) memory --json --no-baseline | tail -1 > docs/bench/memory-cacheblend-v.json

@@ -22,7 +22,7 @@ import torch
 
 from ..config import Config
 from ..engine import DenseKV, Engine, Segment
-from .fuser import METRICS
+from .fuser import METRICS, resolve_check_layer
 from .reuse import ChunkReuse
 
 NAMES = ["Clara", "Tomas", "Ines", "Viktor", "Lena", "Omar", "Priya", "Jonas", "Aiko", "Rafael", "Sofia",
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "recompute_ratio": mean("recompute_ratio"),
             "ratio": reuse.ratio,
             "metric": reuse.metric,
-            "check_layer": reuse.check_layer,
+            "check_layer": resolve_check_layer(reuse.metric, reuse.check_layer),
             "drift": reuse.drift,
             "chunk_tokens": args.chunk_tokens,
             "chunks_per_prompt": args.per_prompt,

@@ -159,6 +159,13 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
     return share
 
 
+def resolve_check_layer(metric: str, check_layer: int | None) -> int:
+    """None means the metric's default: -1 (no layer runs every token) for `query`, 1 for the others."""
+    if check_layer is None:
+        return -1 if metric == "query" else 1
+    return check_layer
+
+
 def _unselected(cached: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     keep = cached.clone()
     keep[rows] = False
@@ -276,8 +283,7 @@ def fuse(
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift must be in [0, 1], got {drift}")
-    if check_layer is None:
-        check_layer = -1 if metric == "query" else 1
+    check_layer = resolve_check_layer(metric, check_layer)
     if not -1 <= check_layer < model.args.n_layers or (check_layer == -1 and metric != "query"):
         raise ValueError(f"check_layer must be in [0, {model.args.n_layers}) (or -1 with metric 'query'), "
                          f"got {check_layer}")
