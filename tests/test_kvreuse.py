@@ -207,7 +207,8 @@ def test_drift_shifts_the_tokens_not_recomputed_by_their_group_mean(engine):
     pos = torch.arange(40)
     k_l, v_l = place_k(model, stale.k, pos)[5].clone(), stale.v[5].clone()
     unsel = torch.tensor([i for i in range(40) if i not in set(rows.tolist())])
-    d.apply(model, 5, rows, fresh_k[5], fresh_v[5], k_l, v_l, unsel)
+    d.bind(model, rows, unsel)
+    d.apply(5, fresh_k[5], fresh_v[5], k_l, v_l)
     mk = (fresh_k[5] - stale.k[5, rows]).mean(0)
     mv = (fresh_v[5] - stale.v[5, rows]).mean(0)
     want_k = place_k(model, (stale.k[5, unsel] + mk)[None], unsel)[0]

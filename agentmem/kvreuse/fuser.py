@@ -75,14 +75,17 @@ class Fused:
 
 def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotate pre-RoPE K [L, n, KV, hd] of every layer to `positions` [n] in one call: the
-    Triton kernel on CUDA, on the CPU the model's own tables (bit-identical to its forward)."""
+    Triton kernel on CUDA; on the CPU the model's own tables and arithmetic (x*cos +
+    flip(x)*signed sin, as Rotary.apply), bit-identical to its forward, in K's own layout."""
     layers, n, kv_heads, hd = k.shape
-    x = k.transpose(0, 1).reshape(n, layers * kv_heads, hd)
-    if x.is_cuda:
-        x = rope(x, positions, model.rotary.inv_freq)
-    else:
-        x = model.rotary.apply(x, positions)
-    return x.view(n, layers, kv_heads, hd).transpose(0, 1)
+    if k.is_cuda:
+        x = rope(k.transpose(0, 1).reshape(n, layers * kv_heads, hd), positions, model.rotary.inv_freq)
+        return x.view(n, layers, kv_heads, hd).transpose(0, 1)
+    cos, sin = model.rotary.cos_sin(positions)
+    kf = k if k.dtype == torch.float32 else k.float()
+    swapped = kf.view(layers, n, kv_heads, 2, hd // 2).flip(3).view(layers, n, kv_heads, hd)
+    out = torch.addcmul(kf * cos[None, :, None, :], swapped, sin[None, :, None, :])
+    return out if out.dtype == k.dtype else out.to(k.dtype)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, blocks: int = 8) -> torch.Tensor:
@@ -231,19 +234,26 @@ class _Drift:
         return _Drift(torch.cat(pos), torch.cat(group), torch.cat(ks, 1), torch.cat(vs, 1), token_group,
                       len(groups))
 
-    def apply(self, model: Transformer, idx: int, rows: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
-              k_l: torch.Tensor, v_l: torch.Tensor, unsel: torch.Tensor) -> None:
-        """Layer `idx`: rows' fresh K before RoPE / V given; shift k_l/v_l at `unsel` in place."""
-        r = torch.searchsorted(rows, self.pos)
+    def bind(self, model: Transformer, rows: torch.Tensor, unsel: torch.Tensor) -> None:
+        """Fix, once the selection is made, what every layer's `apply` reuses: where the samples
+        are among the rows, each unselected token's group, and the RoPE tables at its position."""
+        self.rows_at = torch.searchsorted(rows, self.pos)
+        count = torch.zeros(self.n_groups, device=self.pos.device).index_add_(
+            0, self.group, torch.ones(len(self.group), device=self.pos.device))
+        self.inv_count = (1.0 / count)[:, None, None]
+        self.unsel, self.unsel_group = unsel, self.token_group[unsel]
+        self.rotary, self.cos_sin = model.rotary, model.rotary.cos_sin(unsel)
+
+    def apply(self, idx: int, k_raw: torch.Tensor, v: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
+        """Layer `idx`: given the rows' fresh K before RoPE and V, shift k_l / v_l at the
+        unselected tokens in place by their group's mean drift (K rotated to their positions)."""
         shape = (self.n_groups, *k_raw.shape[1:])
-        count = torch.zeros(self.n_groups, device=v.device).index_add_(0, self.group, torch.ones_like(self.group,
-                                                                                          dtype=torch.float))
+        r = self.rows_at
         dk = torch.zeros(shape, device=v.device).index_add_(0, self.group, (k_raw[r] - self.k_raw[idx]).float())
         dv = torch.zeros(shape, device=v.device).index_add_(0, self.group, (v[r] - self.v[idx]).float())
-        g = self.token_group[unsel]
-        count = count[:, None, None]
-        k_l[unsel] += place_k(model, (dk / count)[g][None].to(k_l.dtype), unsel)[0]
-        v_l[unsel] += (dv / count)[g].to(v_l.dtype)
+        g = self.unsel_group
+        k_l.index_add_(0, self.unsel, self.rotary.apply((dk * self.inv_count)[g], self.unsel, self.cos_sin).to(k_l.dtype))
+        v_l.index_add_(0, self.unsel, (dv * self.inv_count)[g].to(v_l.dtype))
 
 
 def _pick(cached_idx: torch.Tensor, score: torch.Tensor, ratio: float, drift: _Drift | None) -> torch.Tensor:
@@ -333,6 +343,8 @@ def fuse(
         rows = torch.unique(torch.cat([picked[0], new_idx, last]))
         start = prefix if len(rows) == n_tok - prefix else None
         unsel = _unselected(cached, rows)
+        if drifts is not None:
+            drifts.bind(model, rows, unsel)
     h = model.embed_tokens(ids_t[rows])
     new_k_raw = (torch.empty(a.n_layers, len(new_idx), a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
                  if keep_raw else None)
@@ -353,7 +365,7 @@ def fuse(
                     d = share if metric == "attn" else d * share
                 picked.append(_pick(cached_idx, d, ratio, drifts))
             if drifts is not None and unsel is not None and len(unsel):
-                drifts.apply(model, idx, rows, k_raw, v, k_l, v_l, unsel)
+                drifts.apply(idx, k_raw, v, k_l, v_l)
             if start is not None:
                 k_l[start:] = k_rot
                 v_l[start:] = v
@@ -379,6 +391,8 @@ def fuse(
                 start = prefix
             new_rows = torch.searchsorted(rows, new_idx)
             unsel = _unselected(cached, rows)
+            if drifts is not None:
+                drifts.bind(model, rows, unsel)
     ran = torch.zeros(n_tok, dtype=torch.bool, device=dev)
     ran[rows] = True
     return Fused(k_all, v_all, model.logits(h[-1:])[0], ran, new_k_raw, new_idx)
