@@ -62,8 +62,8 @@ class Config(BaseSettings):
     # --- kv reuse --------------------------------------------------------------------------
     kv_mode: str = "blend"  # full | reuse | blend
     blend_ratio: float = 0.15
-    blend_check_layer: int | None = None  # layers 0..this run every token; None: -1 (none) for query, 1 for the others
-    blend_metric: str = "query"  # k | v | kv | attn | vattn | query: what picks the tokens to recompute (kvreuse/fuser.py, docs/kvreuse.md)
+    blend_check_layer: int | None = None  # layers 0..this run every token; unset: -1 (none) for query, 1 for the others
+    blend_metric: str = "auto"  # auto | k | v | kv | attn | vattn | query: what picks the tokens to recompute; auto: query from 400 cached tokens, v below (kvreuse/fuser.py)
     blend_drift: float = 0.03  # share of each blended chunk recomputed to estimate its mean KV drift (0: off; kvreuse/fuser.py _Drift)
     kv_ram_bytes: int = 1 << 30
     kv_gpu_bytes: int = 2 << 30  # on CUDA, the tier above RAM

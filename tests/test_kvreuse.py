@@ -217,6 +217,29 @@ def test_drift_shifts_the_tokens_not_recomputed_by_their_group_mean(engine):
     assert torch.equal(k_l[rows], place_k(model, stale.k, pos)[5][rows])  # the samples' own rows are the pass's
 
 
+def test_auto_probes_only_long_prompts(engine, tmp_path, monkeypatch):
+    """`auto` ranks by the question's probe (`query`) from AUTO_QUERY_MIN_TOKENS cached
+    tokens on, and by CacheBlend's V deviation below."""
+    from agentmem.kvreuse.bench import build_prompts
+
+    probes = []
+    real = fuser._probe
+    monkeypatch.setattr(fuser, "_probe", lambda *a: probes.append(1) or real(*a))
+    e = view(engine, tmp_path, kv_mode="blend")
+    reuse = ChunkReuse(e)
+    assert reuse.metric == "auto"
+    prompts, memory = build_prompts(e, 1, 4, 3, 64, seed=2)
+    reuse.precompute(memory)
+    parts = e.tokenize_prompt(prompts[0])
+    cached = sum(len(p[0]) for p in parts[1:4])
+    monkeypatch.setattr(fuser, "AUTO_QUERY_MIN_TOKENS", cached + 1)
+    reuse.plan(parts, store=False)
+    assert probes == []
+    monkeypatch.setattr(fuser, "AUTO_QUERY_MIN_TOKENS", cached)
+    reuse.plan(parts, store=False)
+    assert probes == [1]
+
+
 def test_bad_blend_settings_are_clear_errors(engine, tmp_path):
     ids = engine.encode("hello there")
     with pytest.raises(ValueError, match="check_layer"):
@@ -225,6 +248,10 @@ def test_bad_blend_settings_are_clear_errors(engine, tmp_path):
         fuse(engine.model, ids, [Piece(0, len(ids))], "blend", drift=1.5)
     with pytest.raises(ValueError, match="blend_check_layer"):
         ChunkReuse(view(engine, tmp_path, kv_mode="blend", blend_metric="v", blend_check_layer=-1))
+    with pytest.raises(ValueError, match="unset with metric 'auto'"):
+        fuse(engine.model, ids, [Piece(0, len(ids))], "blend", metric="auto", check_layer=1)
+    with pytest.raises(ValueError, match="blend_check_layer"):
+        ChunkReuse(view(engine, tmp_path, kv_mode="blend", blend_check_layer=2))  # metric auto
     with pytest.raises(ValueError, match="blend_drift"):
         ChunkReuse(view(engine, tmp_path, kv_mode="blend", blend_drift=-0.1))
 
@@ -252,11 +279,13 @@ def test_blend_at_ratio_one_gives_the_full_logits(warm, metric, small_drift_grou
     full = reuse.plan(parts, mode="full", store=False)
     one = reuse.plan(parts, mode="blend", ratio=1.0, store=False)
     assert one.reused == 0 and one.recomputed > 0
+    zero = reuse.plan(parts, mode="blend", ratio=0.0, store=False)  # drift has no budget left: off, no error
+    assert zero.recomputed == 0 and zero.reused > 0
     assert torch.equal(one.last_logits, full.last_logits)
     assert all(torch.equal(a, b) for a, b in zip(one.k + one.v, full.k + full.v, strict=True))
 
 
-@pytest.mark.parametrize("metric", ["v", "query"], indirect=True)
+@pytest.mark.parametrize("metric", ["v", "query", "auto"], indirect=True)
 def test_blend_is_closer_to_full_than_reuse(warm, metric):
     e, reuse = warm
     kls = {"reuse": [], "blend": []}

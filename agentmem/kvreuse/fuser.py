@@ -12,7 +12,8 @@ Modes:
     after the exact prefix, and the deviation of the recomputed K or V from the cached one at
     the check layer ranks them; `attn` / `vattn` use the question's attention there instead
     (alone, or times the V deviation).
-  - `query` (the default): a cheap probe runs only the uncached tail (the question) through
+  - `auto` (the default): `query` once AUTO_QUERY_MIN_TOKENS tokens are cached, `v` below.
+  - `query`: a cheap probe runs only the uncached tail (the question) through
     the layers against the cached KV, as `reuse` would, and ranks the cached tokens by what
     they add to its attention outputs (attention x value norm, summed over layers and heads):
     the tokens the question actually reads. Its default check_layer is -1: no layer runs
@@ -27,8 +28,8 @@ Modes:
   inside `ratio`: the recompute budget is unchanged.
 
 On the blend benchmark (2k-token prompts, r = 0.15) the KL of the next-token distribution
-against full prefill is: reuse 0.18, `v` 0.12, `query` 0.073, `query` + drift 0.026
-(docs/kvreuse.md has the measured runs).
+against full prefill is: reuse 0.194, `v` 0.114, `query` 0.076, `query` + drift 0.022, at
+the same cost (docs/kvreuse.md has the runs, and the experiments behind drift).
 
 Attention is exact and causal by position (query at p sees keys at <= p). With ratio 1.0
 every token runs every layer, in the same calls `full` makes, so the logits are the same.
@@ -48,7 +49,13 @@ from .store import ChunkKV
 
 MODES = ("full", "reuse", "blend")
 DRIFT_MIN_SAMPLES = 12  # see _Drift.sample; 8-16 measured alike (docs/kvreuse.md)
-METRICS = ("k", "v", "kv", "attn", "vattn", "query")
+METRICS = ("auto", "k", "v", "kv", "attn", "vattn", "query")
+# `auto` (the default) uses `query` once this many tokens are cached, `v` below: on short
+# prompts the probe's fixed cost and too few drift samples leave `v` ahead (310-token prompts
+# of short chunks: KL 0.318 vs 0.35, 2.4x vs 1.8x); on long ones `query` + drift is far
+# closer to full prefill (2k tokens: KL 0.022 vs 0.114 at the same cost). 400 is also where
+# the default drift (3%, 12 samples a group) first has a group.
+AUTO_QUERY_MIN_TOKENS = 400
 
 
 @dataclass
@@ -281,7 +288,7 @@ def fuse(
     mode: str = "blend",
     ratio: float = 0.15,
     check_layer: int | None = None,
-    metric: str = "query",
+    metric: str = "auto",
     keep_raw: bool = False,
     drift: float = 0.0,
 ) -> Fused:
@@ -293,8 +300,10 @@ def fuse(
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift must be in [0, 1], got {drift}")
-    check_layer = resolve_check_layer(metric, check_layer)
-    if not -1 <= check_layer < model.args.n_layers or (check_layer == -1 and metric != "query"):
+    if metric == "auto" and check_layer is not None:
+        raise ValueError("check_layer must be unset with metric 'auto' (it picks -1 for query, 1 for v)")
+    if check_layer is not None and not (0 <= check_layer < model.args.n_layers
+                                        or (check_layer == -1 and metric == "query")):
         raise ValueError(f"check_layer must be in [0, {model.args.n_layers}) (or -1 with metric 'query'), "
                          f"got {check_layer}")
     a = model.args
@@ -326,6 +335,9 @@ def fuse(
     new_idx = new.nonzero()[:, 0]
     cached_idx = cached.nonzero()[:, 0]
     last = torch.tensor([n_tok - 1], device=dev)
+    if metric == "auto":
+        metric = "query" if len(cached_idx) >= AUTO_QUERY_MIN_TOKENS else "v"
+    check_layer = resolve_check_layer(metric, check_layer)
 
     if mode == "reuse":
         rows, start = torch.unique(torch.cat([new_idx, last])), None
@@ -334,7 +346,8 @@ def fuse(
     check = check_layer if mode == "blend" and len(cached_idx) else None
     ids_t = torch.tensor(ids, device=dev)
     picked: list[torch.Tensor] = []
-    drifts = _Drift.sample(pieces, min(drift, ratio), n_tok, dev) if check is not None and drift > 0 else None
+    drift_share = min(drift, ratio)  # the drift samples count inside the recompute budget
+    drifts = _Drift.sample(pieces, drift_share, n_tok, dev) if check is not None and drift_share > 0 else None
     unsel: torch.Tensor | None = None  # cached positions not recomputed, once the selection is made
     if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
         tail = torch.unique(torch.cat([new_idx, last]))

@@ -43,10 +43,10 @@ class ChunkReuse:
         if not 0.0 <= cfg.blend_drift <= 1.0:
             raise ValueError(f"blend_drift must be in [0, 1], got {cfg.blend_drift}")
         n_layers = engine.model.args.n_layers
-        if cfg.blend_check_layer is not None and not (
-                0 <= cfg.blend_check_layer < n_layers or (cfg.blend_check_layer == -1 and cfg.blend_metric == "query")):
-            raise ValueError(f"blend_check_layer must be in [0, {n_layers}), or -1 with blend_metric 'query', "
-                             f"got {cfg.blend_check_layer}")
+        if cfg.blend_check_layer is not None and (cfg.blend_metric == "auto" or not (
+                0 <= cfg.blend_check_layer < n_layers or (cfg.blend_check_layer == -1 and cfg.blend_metric == "query"))):
+            raise ValueError(f"blend_check_layer must be unset with blend_metric 'auto', else in [0, {n_layers}) "
+                             f"(or -1 with 'query'); got {cfg.blend_check_layer} with {cfg.blend_metric!r}")
         self.engine = engine
         self.mode = cfg.kv_mode
         self.ratio = cfg.blend_ratio
