@@ -3,6 +3,8 @@ planner inside engine.generate. Short chunks keep it cheap; the model is the sha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -389,3 +391,22 @@ def test_engine_load_installs_reuse_unless_full(engine, tmp_path, monkeypatch):
     plain = Engine.load(Config(dtype="float32", device="cpu", kv_mode="full"))
     assert get_reuse(plain) is None and plain._planner is None
     assert engine._planner is None  # the shared fixture keeps plain prefill
+
+
+def test_blend_bench_prints_its_json_contract_last(engine, tmp_path, monkeypatch, capsys):
+    """`agentmem bench blend` on tiny sizes, on the session's model (no second load)."""
+    from agentmem.kvreuse import bench
+
+    monkeypatch.setattr(bench.Engine, "load", staticmethod(
+        lambda cfg: Engine(engine.model, engine.tokenizer, engine.model_id, engine.device, cfg)))
+    plot = tmp_path / "curve.png"
+    assert bench.main(["--quick", "--json", "--curve", "--curve-out", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("prompt_tokens", "full_ttft_s", "reuse_ttft_s", "blend_ttft_s", "speedup", "blend_kl", "reuse_kl",
+                "blend_top1", "reuse_top1", "blend_answer_match", "recompute_ratio"):
+        assert isinstance(out[key], float), key
+    assert out["metric"] == "auto" and out["drift"] == 0.03 and out["ratio"] == 0.15 and out["check_layer"] is None
+    assert out["full_ttft_s"] > 0 and 0 < out["recompute_ratio"] < 1 and out["blend_kl"] >= 0
+    assert [c["ratio"] for c in out["curve"]] == list(bench.CURVE_RATIOS)
+    assert out["curve"][-1]["kl"] == 0.0  # r = 1 is full prefill
+    assert plot.stat().st_size > 0
