@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "recompute_ratio": mean("recompute_ratio"),
             "ratio": reuse.ratio,
             "metric": reuse.metric,
-            "check_layer": None if reuse.metric == "auto" else resolve_check_layer(reuse.metric, reuse.check_layer),
+            "check_layer": resolve_check_layer(reuse.metric, reuse.check_layer),
             "drift": reuse.drift,
             "chunk_tokens": args.chunk_tokens,
             "chunks_per_prompt": args.per_prompt,

@@ -169,9 +169,28 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
     return share
 
 
-def resolve_check_layer(metric: str, check_layer: int | None) -> int:
-    """None means the metric's default: -1 (no layer runs every token) for `query`, 1 for the others."""
+def check_blend_settings(metric: str, check_layer: int | None, drift: float, n_layers: int,
+                         prefix: str = "") -> None:
+    """Raise ValueError for a bad selection metric, check layer or drift share. `prefix` names
+    them as the caller knows them (ChunkReuse passes "blend_", the Config field prefix)."""
+    if metric not in METRICS:
+        raise ValueError(f"{prefix}metric must be one of {METRICS}, got {metric!r}")
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"{prefix}drift must be in [0, 1], got {drift}")
     if check_layer is None:
+        return
+    if metric == "auto":
+        raise ValueError(f"{prefix}check_layer must be unset with {prefix}metric 'auto' (it picks -1 for query, "
+                         f"1 for v); got {check_layer}")
+    if not (0 <= check_layer < n_layers or (check_layer == -1 and metric == "query")):
+        raise ValueError(f"{prefix}check_layer must be in [0, {n_layers}) (or -1 with {prefix}metric 'query'), "
+                         f"got {check_layer} with {metric!r}")
+
+
+def resolve_check_layer(metric: str, check_layer: int | None) -> int | None:
+    """None means the metric's default: -1 (no layer runs every token) for `query`, 1 for the
+    others; `auto` decides per prompt, so it stays None."""
+    if check_layer is None and metric != "auto":
         return -1 if metric == "query" else 1
     return check_layer
 
@@ -235,9 +254,9 @@ class _Drift:
             group.append(torch.full((n_s,), g, dtype=torch.long, device=device))
             for p in members:
                 local = at[pick] - p.start
-                local = local[(local >= 0) & (local < p.n)]
-                ks.append(p.kv.k.to(device)[:, local])
-                vs.append(p.kv.v.to(device)[:, local])
+                local = local[(local >= 0) & (local < p.n)].to(p.kv.k.device)
+                ks.append(p.kv.k[:, local].to(device))
+                vs.append(p.kv.v[:, local].to(device))
         return _Drift(torch.cat(pos), torch.cat(group), torch.cat(ks, 1), torch.cat(vs, 1), token_group,
                       len(groups))
 
@@ -245,9 +264,7 @@ class _Drift:
         """Fix, once the selection is made, what every layer's `apply` reuses: where the samples
         are among the rows, each unselected token's group, and the RoPE tables at its position."""
         self.rows_at = torch.searchsorted(rows, self.pos)
-        count = torch.zeros(self.n_groups, device=self.pos.device).index_add_(
-            0, self.group, torch.ones(len(self.group), device=self.pos.device))
-        self.inv_count = (1.0 / count)[:, None, None]
+        self.inv_count = (1.0 / torch.bincount(self.group, minlength=self.n_groups).float())[:, None, None]
         self.unsel, self.unsel_group = unsel, self.token_group[unsel]
         self.rotary, self.cos_sin = model.rotary, model.rotary.cos_sin(unsel)
 
@@ -294,18 +311,9 @@ def fuse(
 ) -> Fused:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-    if not 0.0 <= drift <= 1.0:
-        raise ValueError(f"drift must be in [0, 1], got {drift}")
-    if metric == "auto" and check_layer is not None:
-        raise ValueError("check_layer must be unset with metric 'auto' (it picks -1 for query, 1 for v)")
-    if check_layer is not None and not (0 <= check_layer < model.args.n_layers
-                                        or (check_layer == -1 and metric == "query")):
-        raise ValueError(f"check_layer must be in [0, {model.args.n_layers}) (or -1 with metric 'query'), "
-                         f"got {check_layer}")
+    check_blend_settings(metric, check_layer, drift, model.args.n_layers)
     a = model.args
     dev = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
@@ -349,15 +357,21 @@ def fuse(
     drift_share = min(drift, ratio)  # the drift samples count inside the recompute budget
     drifts = _Drift.sample(pieces, drift_share, n_tok, dev) if check is not None and drift_share > 0 else None
     unsel: torch.Tensor | None = None  # cached positions not recomputed, once the selection is made
+
+    def select() -> tuple[torch.Tensor, int | None, torch.Tensor]:
+        """The rows that run from here on (picked + uncached + last), their contiguous start
+        when that is every token after the prefix, and the cached tokens left out."""
+        sel = torch.unique(torch.cat([picked[0], new_idx, last]))
+        left = _unselected(cached, sel)
+        if drifts is not None:
+            drifts.bind(model, sel, left)
+        return sel, (prefix if len(sel) == n_tok - prefix else None), left
+
     if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
         tail = torch.unique(torch.cat([new_idx, last]))
         share = _probe(model, model.embed_tokens(ids_t[tail]), tail, k_all, v_all, 0)
         picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
-        rows = torch.unique(torch.cat([picked[0], new_idx, last]))
-        start = prefix if len(rows) == n_tok - prefix else None
-        unsel = _unselected(cached, rows)
-        if drifts is not None:
-            drifts.bind(model, rows, unsel)
+        rows, start, unsel = select()
     h = model.embed_tokens(ids_t[rows])
     new_k_raw = (torch.empty(a.n_layers, len(new_idx), a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
                  if keep_raw else None)
@@ -397,15 +411,10 @@ def fuse(
             share = _probe(model, h[torch.searchsorted(rows, tail)], tail, k_all, v_all, i + 1)
             picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
         if i == check and i + 1 < a.n_layers:
-            sel = torch.unique(torch.cat([picked[0], new_idx, last]))
+            sel, start, unsel = select()  # everything picked: the contiguous path again
             h = h[torch.searchsorted(rows, sel)]
-            rows, start = sel, None
-            if len(sel) == n_tok - prefix:  # everything picked: the contiguous path again
-                start = prefix
+            rows = sel
             new_rows = torch.searchsorted(rows, new_idx)
-            unsel = _unselected(cached, rows)
-            if drifts is not None:
-                drifts.bind(model, rows, unsel)
     ran = torch.zeros(n_tok, dtype=torch.bool, device=dev)
     ran[rows] = True
     return Fused(k_all, v_all, model.logits(h[-1:])[0], ran, new_k_raw, new_idx)

@@ -17,7 +17,7 @@ import torch
 
 from ..config import Config
 from ..engine.engine import Engine, PrefillResult, Segment
-from .fuser import METRICS, MODES, Fused, Piece, fuse
+from .fuser import MODES, Fused, Piece, check_blend_settings, fuse
 from .identity import ROOT_CONTEXT, chunk_key, next_context
 from .store import ChunkKV, ChunkStore
 
@@ -38,15 +38,8 @@ class ChunkReuse:
         cfg = config or engine.config
         if cfg.kv_mode not in MODES:
             raise ValueError(f"kv_mode must be one of {MODES}, got {cfg.kv_mode!r}")
-        if cfg.blend_metric not in METRICS:
-            raise ValueError(f"blend_metric must be one of {METRICS}, got {cfg.blend_metric!r}")
-        if not 0.0 <= cfg.blend_drift <= 1.0:
-            raise ValueError(f"blend_drift must be in [0, 1], got {cfg.blend_drift}")
-        n_layers = engine.model.args.n_layers
-        if cfg.blend_check_layer is not None and (cfg.blend_metric == "auto" or not (
-                0 <= cfg.blend_check_layer < n_layers or (cfg.blend_check_layer == -1 and cfg.blend_metric == "query"))):
-            raise ValueError(f"blend_check_layer must be unset with blend_metric 'auto', else in [0, {n_layers}) "
-                             f"(or -1 with 'query'); got {cfg.blend_check_layer} with {cfg.blend_metric!r}")
+        check_blend_settings(cfg.blend_metric, cfg.blend_check_layer, cfg.blend_drift, engine.model.args.n_layers,
+                             prefix="blend_")
         self.engine = engine
         self.mode = cfg.kv_mode
         self.ratio = cfg.blend_ratio
