@@ -22,7 +22,7 @@ from agentmem.kvreuse import (
     place_k,
 )
 from agentmem.kvreuse.bench import kl
-from agentmem.kvreuse.fuser import METRICS, Piece, _attend_and_share, _Drift, attend_rows, fuse
+from agentmem.kvreuse.fuser import METRICS, Piece, RowAttention, _attend_and_share, _Drift, causal_bias, fuse
 
 FACTS = [
     "- 2024-03-02 the user said: \"My cat is called Miso and she is four years old.\"\n",
@@ -168,7 +168,11 @@ def test_blocked_selected_attention_equals_the_reference():
     rows = torch.randperm(300, generator=g)[:200].sort().values
     q = torch.randn(200, 9, 16, generator=g)
     ref = selected_attention_ref(q, k, v, rows, torch.arange(300))
-    assert (attend_rows(q, k, v, rows, blocks=5) - ref).abs().max().item() < 1e-5
+    for blocks in (1, 5):  # the grouped layout and the per-block masks, built once, reused
+        attend = RowAttention(rows, 300, group=3, dtype=torch.float32, blocks=blocks)
+        assert len(attend.parts) == blocks
+        for _ in range(2):
+            assert (attend(q, k, v) - ref).abs().max().item() < 1e-5
 
 
 def test_probe_attention_equals_the_reference_and_shares_what_values_add():
@@ -177,7 +181,7 @@ def test_probe_attention_equals_the_reference_and_shares_what_values_add():
     v[7] = 0.0  # a key with a zero value adds nothing to any output
     q_pos = torch.tensor([90, 95, 100, 101])
     q = torch.randn(4, 9, 16, generator=g)
-    out, share = _attend_and_share(q, k, v, q_pos, torch.arange(120))
+    out, share = _attend_and_share(q, k, v, causal_bias(q_pos, 120, group=3))
     assert (out - selected_attention_ref(q, k, v, q_pos, torch.arange(120))).abs().max().item() < 1e-5
     assert share.shape == (120,) and share[7] == 0 and (share[102:] == 0).all() and (share[:102] > 0).sum() == 101
 
