@@ -291,6 +291,33 @@ def test_blend_at_ratio_one_gives_the_full_logits(warm, metric, small_drift_grou
     assert all(torch.equal(a, b) for a, b in zip(one.k + one.v, full.k + full.v, strict=True))
 
 
+@pytest.mark.parametrize("metric", METRICS, indirect=True)
+def test_a_prompt_of_cached_chunks_only_blends_with_every_metric(warm, metric):
+    """No uncached token at all: only the last token is new work (the question metrics have
+    no question rows to read with), and every metric still blends without error."""
+    e, reuse = warm
+    ids = [t for i in (2, 0, 1) for t in e.encode(FACTS[i])]
+    pieces, start = [], 0
+    for i in (2, 0, 1):
+        n = len(e.encode(FACTS[i]))
+        pieces.append(Piece(start, n, reuse.store.get(reuse._key(e.encode(FACTS[i]), ""), count=False)))
+        start += n
+    assert all(p.kv is not None for p in pieces)
+    full = fuse(e.model, ids, [Piece(0, len(ids))], "full")
+    out = fuse(e.model, ids, pieces, "blend", ratio=0.5, metric=reuse.metric, check_layer=reuse.check_layer)
+    assert out.ran[-1] and 0 < int(out.ran.sum()) < len(ids)
+    assert kl(full.last_logits, out.last_logits) < 1.0
+
+
+def test_causal_bias_masks_only_later_keys():
+    first, bias = causal_bias(torch.tensor([5, 7]), 9, group=2)
+    assert first == 5 and bias.shape == (4, 4)  # keys 5..8, rows (group, query)
+    assert torch.isinf(bias[0, 1:]).all() and (bias[0, 0] == 0) and torch.isinf(bias[1, 3]) and (bias[1, :3] == 0).all()
+    assert torch.equal(bias[:2], bias[2:])
+    first, bias = causal_bias(torch.tensor([], dtype=torch.long), 9, group=3)
+    assert first == 9 and bias.shape == (0, 0)
+
+
 @pytest.mark.parametrize("metric", ["v", "query", "auto"], indirect=True)
 def test_blend_is_closer_to_full_than_reuse(warm, metric):
     e, reuse = warm

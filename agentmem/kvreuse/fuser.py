@@ -144,8 +144,9 @@ def causal_bias(q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype
     """The additive causal mask of queries at `q_pos` over keys first..n_keys-1, in the
     grouped row order (group, query): [g*Nq, n_keys - first]. Keys before the first query's
     position are seen by every query, so by default the mask starts there; `first` = 0 gives
-    the whole mask."""
-    first = int(q_pos.min()) if first is None else first
+    the whole mask (no queries: an empty one)."""
+    if first is None:
+        first = int(q_pos.min()) if len(q_pos) else n_keys
     k_pos = torch.arange(first, n_keys, device=q_pos.device)
     bias = torch.zeros(len(q_pos), n_keys - first, device=q_pos.device, dtype=dtype)
     bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
