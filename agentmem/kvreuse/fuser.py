@@ -96,6 +96,21 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor) -> tor
     return out if out.dtype == k.dtype else out.to(k.dtype)
 
 
+def fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Queries [N, H, hd] -> [KV, g*N, hd]: the g = H // KV query heads that read KV head j
+    become rows of batch j, ordered (group, query), the row order of `causal_bias`."""
+    n, heads, hd = q.shape
+    g = heads // kv_heads
+    return q.view(n, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * n, hd)
+
+
+def unfold_heads(o: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `fold_heads`: [KV, g*N, hd] -> [N, H, hd]."""
+    kv_heads, rows, hd = o.shape
+    g = rows // n
+    return o.view(kv_heads, g, n, hd).permute(2, 0, 1, 3).reshape(n, kv_heads * g, hd)
+
+
 class RowAttention:
     """Exact causal attention of a fixed set of query rows (sorted positions `q_pos`) over keys
     at 0..n_keys-1, for every layer of one prefill. The rows are the same at every layer, so
@@ -110,7 +125,7 @@ class RowAttention:
     On CUDA the Triton kernel skips masked keys itself."""
 
     def __init__(self, q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, blocks: int = 4):
-        self.q_pos, self.group = q_pos, group
+        self.q_pos = q_pos
         self.k_pos = torch.arange(n_keys, device=q_pos.device)
         self.parts: list[tuple[int, int, int, torch.Tensor]] = []
         if q_pos.is_cuda:
@@ -127,15 +142,13 @@ class RowAttention:
         """q [Nq,H,hd] at the rows, k/v [n_keys,KV,hd] -> [Nq,H,hd]."""
         if not self.parts:
             return selected_attention(q, k, v, self.q_pos, self.k_pos)
-        n, heads, hd = q.shape
-        kv_heads, g = k.shape[1], self.group
+        kv_heads = k.shape[1]
         out = torch.empty_like(q)
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         for s, e, end, bias in self.parts:
-            m = e - s
-            qg = q[s:e].view(m, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, g * m, hd)
+            qg = fold_heads(q[s:e], kv_heads)[None]
             o = F.scaled_dot_product_attention(qg, kt[:, :, :end], vt[:, :, :end], attn_mask=bias)
-            out[s:e] = o[0].view(kv_heads, g, m, hd).permute(2, 0, 1, 3).reshape(m, heads, hd)
+            out[s:e] = unfold_heads(o[0], e - s)
         return out
 
 
@@ -157,10 +170,7 @@ def _attention_probs(q: torch.Tensor, k: torch.Tensor, bias: tuple[int, torch.Te
     """Exact causal attention weights (fp32) of queries q [Nq,H,hd] over keys k [T,KV,hd]:
     [KV, g*Nq, T], rows ordered (group, query) with g = H // KV (query head h uses KV head
     h // g). `bias` is `causal_bias` of the queries (built once where the rows repeat)."""
-    n, heads, hd = q.shape
-    kv_heads = k.shape[1]
-    g = heads // kv_heads
-    qg = (q.float() * hd**-0.5).view(n, kv_heads, g, hd).permute(1, 2, 0, 3).reshape(kv_heads, g * n, hd)
+    qg = fold_heads(q.float() * q.shape[-1] ** -0.5, k.shape[1])
     scores = torch.bmm(qg, k.float().permute(1, 2, 0))
     first, b = bias
     scores[:, :, first:] += b
@@ -180,11 +190,8 @@ def _attend_and_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     0..T-1; `bias` is `causal_bias` of the queries' positions), and what each key adds to
     their outputs: the attention paid to it times the norm of its value, summed over queries
     and heads. Returns ([Nq,H,hd], [T])."""
-    n, heads, hd = q.shape
-    kv_heads = k.shape[1]
     probs = _attention_probs(q, k, bias)
-    out = torch.bmm(probs.to(v.dtype), v.transpose(0, 1))  # [KV, g*n, hd]
-    out = out.view(kv_heads, heads // kv_heads, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+    out = unfold_heads(torch.bmm(probs.to(v.dtype), v.transpose(0, 1)), q.shape[0])
     share = (probs.sum(1) * v.float().norm(dim=-1).T).sum(0)
     return out, share
 
@@ -197,9 +204,8 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
     to their attention outputs: the tokens the question actually reads in the deep layers,
     where the cached KV is stale. Their K/V is written into k_all/v_all; the blend pass
     overwrites it at every layer."""
-    q_pos = rows
-    cos_sin = model.rotary.cos_sin(q_pos)
-    bias = causal_bias(q_pos, k_all.shape[1], model.args.n_heads // model.args.n_kv_heads)
+    cos_sin = model.rotary.cos_sin(rows)  # rows are positions
+    bias = causal_bias(rows, k_all.shape[1], model.args.n_heads // model.args.n_kv_heads)
     share = torch.zeros(k_all.shape[1], device=k_all.device)
     for layer in model.layers[first_layer:]:
         def attn(idx, q, k_raw, k_rot, v):
@@ -210,7 +216,7 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
             share.add_(s)
             return out
 
-        h = layer(h, q_pos, model.rotary, attn, cos_sin)
+        h = layer(h, rows, model.rotary, attn, cos_sin)
     return share
 
 
