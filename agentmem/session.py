@@ -9,7 +9,7 @@ tenants), generate, then store the reply and a trace of what went into the promp
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -18,7 +18,7 @@ from .compress.policy import BudgetPolicy
 from .config import Config
 from .engine.sampler import SamplingParams
 from .tiers import MemoryStore, WorkingContext, clean_text
-from .tiers.records import Memory, Message
+from .tiers.records import Hit, Memory, Message
 
 
 @dataclass
@@ -68,7 +68,8 @@ class AgentSession:
         self.session_id = info.id
         self.working = WorkingContext.open(self.store, self.tenant_id, self.user_id, self.session_id,
                                            self.engine.count_tokens, self.config.context_budget,
-                                           self.config.evict_trigger)
+                                           self.config.evict_trigger,
+                                           count_many=getattr(self.engine, "count_tokens_many", None))
 
     # --- the turn ----------------------------------------------------------------------------
     def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
@@ -139,8 +140,11 @@ class AgentSession:
             self.working.fit(int(RECALL_SHARE * self.config.context_budget))
             return stored
 
-    def search(self, query: str, k: int = 10, since: datetime | None = None, until: datetime | None = None):
-        return self.store.search(self.tenant_id, self.user_id, query, k, since, until)
+    def search(self, query: str, k: int = 10, since: datetime | None = None, until: datetime | None = None, *,
+               retrievers: Collection[str] | None = None) -> list[Hit]:
+        """Hybrid recall over everything this user said (tiers/recall.py); each hit names the
+        retrievers that found it. `since`/`until` filter; time named in the query is a boost."""
+        return self.store.search(self.tenant_id, self.user_id, query, k, since, until, retrievers=retrievers)
 
     def context(self, query: str) -> Context:
         """The prompt a turn with `query` would use now; nothing is stored or evicted."""

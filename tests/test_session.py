@@ -142,7 +142,9 @@ def test_forget_deletes_every_tier(make):
     s.add_messages([{"role": "user", "content": FACT}])
     s.store.add_memory("default", "alice", "Dog: Biscuit")
     index_path = s.store.recall._paths("default", "alice")[0]
-    assert index_path.exists() and s.search("dog")
+    assert s.search("dog")
+    s.store.recall.flush("default", "alice")
+    assert index_path.exists()
     old_session = s.session_id
     s.forget()
     assert s.search("dog") == [] and s.memories() == []

@@ -24,11 +24,19 @@ def _session(store, user="alice", tenant="default"):
     return store.open_session(tenant, user).id
 
 
+def _head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    from agentmem.tiers import archive
+
+    return ScriptDirectory(str(archive._MIGRATIONS)).get_current_head()
+
+
 def test_migrations_reach_head_and_reopen_is_idempotent(tmp_path, embedder):
     MemoryStore(Config(data_dir=tmp_path), embedder=embedder).close()
     s = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
     with s.archive.engine.connect() as c:
-        assert c.execute(sa.text("select version_num from alembic_version")).scalar() == "0002"
+        assert c.execute(sa.text("select version_num from alembic_version")).scalar() == _head_revision()
         assert c.execute(sa.text("pragma journal_mode")).scalar() == "wal"
     assert {"messages", "memories", "core_blocks", "turns"} <= set(sa.inspect(s.archive.engine).get_table_names())
 
@@ -136,6 +144,9 @@ def test_recall_index_persists_rebuilds_and_follows_other_writers(tmp_path, embe
     sid = a.open_session("default", "bob").id
     a.add_messages("default", "bob", sid, [{"role": "user", "content": "I play the cello every evening."}])
     index_path, meta_path = a.recall._paths("default", "bob")
+    assert not index_path.exists()  # writes never wait for embeddings: the index follows on use
+    assert a.search("default", "bob", "cello", k=1)[0].text == "I play the cello every evening."
+    a.close()  # saved on close (and every FLUSH_VECTORS new vectors)
     assert index_path.exists() and meta_path.exists()
     b = MemoryStore(cfg, embedder=embedder)  # another process on the same archive
     b.add_messages("default", "bob", sid, [{"role": "user", "content": "My sister Greta lives in Oslo."}])
@@ -143,10 +154,12 @@ def test_recall_index_persists_rebuilds_and_follows_other_writers(tmp_path, embe
     index_path.unlink()
     c = MemoryStore(cfg, embedder=embedder)
     assert c.search("default", "bob", "cello", k=1)[0].text == "I play the cello every evening."
+    c.close()
     assert index_path.exists()
     meta_path.write_text("{not json")
     d = MemoryStore(cfg, embedder=embedder)
-    assert d.recall.sync("default", "bob").index.ntotal == 2
+    ui = d.recall.sync("default", "bob")
+    assert set(ui.messages) == {1, 2} and ui.index.ntotal == 4  # each message alone and in context
 
 
 def test_concurrent_writers_of_one_user(store):
@@ -167,7 +180,8 @@ def test_concurrent_writers_of_one_user(store):
         t.join()
     assert errors == []
     assert sum(s.message_count for s in store.list_sessions("default", "carol")) == 32
-    assert store.recall.sync("default", "carol").index.ntotal == 32
+    ui = store.recall.sync("default", "carol")
+    assert len(ui.messages) == 32 and ui.index.ntotal == sum(ui.messages.values())
 
 
 def test_export_import_and_delete(store):
@@ -208,10 +222,10 @@ def _compare_with_models(engine) -> list:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from agentmem.tiers.schema import Base
+    from agentmem.tiers.schema import Base, include_object
 
     with engine.connect() as c:
-        return compare_metadata(MigrationContext.configure(c), Base.metadata)
+        return compare_metadata(MigrationContext.configure(c, opts={"include_object": include_object}), Base.metadata)
 
 
 def _open_together(url: str, n: int = 4) -> list:

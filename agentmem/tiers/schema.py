@@ -37,6 +37,16 @@ class Base(DeclarativeBase):
     pass
 
 
+# Full-text search objects that migration 0003 creates and the database maintains itself
+# (tiers/lexical.py): no ORM model maps them, so schema comparisons leave them out.
+FULLTEXT_OBJECTS = ("message_fts", "search_tsv", "ix_messages_search_tsv")
+
+
+def include_object(obj, name: str | None, type_: str, reflected: bool, compare_to) -> bool:
+    """Alembic's filter: everything but the full-text objects above."""
+    return not (name or "").startswith(FULLTEXT_OBJECTS)
+
+
 class TenantRow(Base):
     __tablename__ = "tenants"
     id: Mapped[str] = mapped_column(ID, primary_key=True)
@@ -92,6 +102,11 @@ class MessageRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     event_time: Mapped[datetime | None] = mapped_column(nullable=True)
     compressed_text: Mapped[str | None] = mapped_column(Text, nullable=True)  # set once by reflection
+    # who said it, when the conversation names its speakers (OpenAI's `name`); None: the role
+    name: Mapped[str | None] = mapped_column(NAME, nullable=True)
+    # what the full-text index reads besides `text`: speaker, date words, attachment captions,
+    # the turn it answers (tiers/keys.py). Never shown; the prompt always gets `text` itself.
+    keys: Mapped[str | None] = mapped_column(Text, nullable=True)
     __table_args__ = (
         Index("ix_messages_scope", "tenant_id", "user_id", "id"),
         Index("ix_messages_session", "session_id", "id"),

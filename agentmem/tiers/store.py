@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from datetime import datetime
 
 from ..config import Config
@@ -44,6 +44,7 @@ class MemoryStore:
             return self._embedder
 
     def close(self) -> None:
+        self.recall.close()
         self.archive.close()
 
     # --- tenants, keys, users ----------------------------------------------------------------
@@ -89,10 +90,10 @@ class MemoryStore:
         return self.archive.messages(tenant_id, user_id, session_id=session_id)
 
     def add_messages(self, tenant_id: str, user_id: str, session_id: str, messages: Iterable[dict]) -> list[R.Message]:
-        """Commit messages to the archive, then index them for recall."""
-        stored = self.archive.append_messages(tenant_id, user_id, session_id, messages)
-        self.recall.add_messages(tenant_id, user_id, stored)
-        return stored
+        """Commit messages to the archive (the full-text index with them, in the same
+        transaction). The dense index embeds them on its next use: a write never waits for
+        embeddings, and a bulk import embeds in large batches."""
+        return self.archive.append_messages(tenant_id, user_id, session_id, messages)
 
     # --- memories ----------------------------------------------------------------------------
     def add_memory(self, tenant_id: str, user_id: str, text: str, importance: float = 0.5,
@@ -125,11 +126,15 @@ class MemoryStore:
         self.recall.sync(tenant_id, user_id)
 
     def search(self, tenant_id: str, user_id: str, query: str, k: int = 10, since: datetime | None = None,
-               until: datetime | None = None, exclude_messages: set[int] | frozenset = frozenset()) -> list[R.Hit]:
+               until: datetime | None = None, exclude_messages: Collection[int] = frozenset(), *,
+               retrievers: Collection[str] | None = None) -> list[R.Hit]:
+        """Hybrid recall (recall.py): full-text, dense, in-context dense and reflected facts,
+        fused; each hit says which `retrievers` found it. Pass `retrievers` to use a subset."""
         query = clean_text(query, "query")
         if not self.archive.user_exists(tenant_id, user_id):
             return []
-        return self.recall.search(tenant_id, user_id, query, k, since, until, exclude_messages)
+        return self.recall.search(tenant_id, user_id, query, k, since, until, exclude_messages,
+                                  retrievers=retrievers)
 
     # --- core memory, summaries, traces ------------------------------------------------------
     def core_blocks(self, tenant_id: str, user_id: str) -> list[R.CoreBlock]:

@@ -54,15 +54,18 @@ class WorkingContext:
     summary_upto: int = 0
     evictions: int = 0
     persist: bool = True  # False for a dry run (AgentSession.context): nothing is written
+    count_many: Callable[[list[str]], list[int]] | None = None  # batched counter (fast tokenizer)
     _tokens: dict[int, int] = field(default_factory=dict)
+    _line_tokens: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def open(cls, store: MemoryStore, tenant_id: str, user_id: str, session_id: str,
-             count_tokens: Callable[[str], int], budget: int, evict_trigger: float = 0.9) -> WorkingContext:
+             count_tokens: Callable[[str], int], budget: int, evict_trigger: float = 0.9,
+             count_many: Callable[[list[str]], list[int]] | None = None) -> WorkingContext:
         """Load a session's state: its latest summary and the messages after it."""
         if not 0.0 < evict_trigger <= 1.0:
             raise ValueError(f"evict_trigger must be in (0, 1], got {evict_trigger}")
-        wc = cls(store, tenant_id, user_id, session_id, count_tokens, budget, evict_trigger)
+        wc = cls(store, tenant_id, user_id, session_id, count_tokens, budget, evict_trigger, count_many=count_many)
         s = store.archive.latest_summary(tenant_id, user_id, session_id)
         if s is not None:
             wc.summary, wc.summary_upto = s.text, s.upto_message_id
@@ -82,23 +85,34 @@ class WorkingContext:
     def push(self, messages: list[Message]) -> None:
         self.queue.extend(messages)
 
+    def _count(self, texts: list[str]) -> list[int]:
+        if self.count_many is not None and len(texts) > 1:
+            return list(self.count_many(texts))
+        return [self.count_tokens(t) for t in texts]
+
     def message_tokens(self, m: Message) -> int:
         if m.id not in self._tokens:
             self._tokens[m.id] = self.count_tokens(m.text)
         return self._tokens[m.id]
 
     def queue_tokens(self) -> int:
-        return sum(self.message_tokens(m) for m in self.queue)
+        """Tokens of the queued messages, each counted once, new ones in one batch."""
+        new = [m for m in self.queue if m.id not in self._tokens]
+        if new:
+            self._tokens.update(zip((m.id for m in new), self._count([m.text for m in new]), strict=True))
+        return sum(self._tokens[m.id] for m in self.queue)
 
     def fit(self, other_tokens: int, keep_last: int = 1) -> list[Message]:
         """Evict the oldest turns if `other_tokens` plus the queue passes the trigger; the
         last `keep_last` messages (the new user turn) always stay. Returns what was evicted."""
-        if other_tokens + self.queue_tokens() <= self.evict_trigger * self.budget:
+        total = other_tokens + self.queue_tokens()
+        if total <= self.evict_trigger * self.budget:
             return []
         target = EVICT_TARGET * self.budget
         evicted: list[Message] = []
-        while len(self.queue) > keep_last and other_tokens + self.queue_tokens() > target:
+        while len(self.queue) > keep_last and total > target:
             evicted.append(self.queue.pop(0))
+            total -= self._tokens[evicted[-1].id]
         # never split a user turn from its reply: a leading assistant message goes too
         while len(self.queue) > keep_last and self.queue[0].role == "assistant":
             evicted.append(self.queue.pop(0))
@@ -110,8 +124,18 @@ class WorkingContext:
         lines = [ln for ln in self.summary.splitlines() if ln]
         lines += [summary_line(m) for m in evicted if m.role == "user"]
         cap = int(SUMMARY_SHARE * self.budget)
-        while len(lines) > 1 and self.count_tokens("\n".join(lines)) > cap:
-            lines.pop(0)
+        # newest lines first until the cap: each line counted once (+1 for its newline), in a
+        # batch; the sum stands for the joined text's count (a cap, not an exact budget)
+        uncounted = [ln for ln in lines if ln not in self._line_tokens]
+        self._line_tokens.update(zip(uncounted, self._count(uncounted), strict=True))
+        kept, used = [], 0
+        for ln in reversed(lines):
+            used += self._line_tokens[ln] + 1
+            if kept and used > cap:
+                break
+            kept.append(ln)
+        lines = kept[::-1]
+        self._line_tokens = {ln: self._line_tokens[ln] for ln in lines}
         self.summary = "\n".join(lines)
         self.summary_upto = evicted[-1].id
         self.evictions += 1

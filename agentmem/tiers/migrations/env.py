@@ -3,14 +3,15 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from agentmem.tiers.schema import Base
+from agentmem.tiers.schema import Base, include_object
 
 config = context.config
 connection = config.attributes.get("connection")
 
 
 def _run(conn) -> None:
-    context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=conn.dialect.name == "sqlite")
+    context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=conn.dialect.name == "sqlite",
+                      include_object=include_object)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -1,0 +1,80 @@
+"""What a recall query is made of, read by rules: its content words (for the full-text index),
+the people it names, and the time it speaks of.
+
+No model reads the question: every step is a rule that can be tested on a table of phrasings,
+so the same question always retrieves the same evidence.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from .timeparse import TimeWindow, parse_time
+
+MAX_TERMS = 48  # a 100 kB query still becomes one bounded full-text query
+_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)?", re.UNICODE)
+
+# English function words and question scaffolding: they match almost every turn, so a
+# full-text query made of them ranks noise. Kept short and explicit on purpose.
+STOP_WORDS = frozenset("""
+a about above after again against ago all also am an and any are aren as at be because been before being
+below between both but by can cannot could couldn did didn do does doesn doing don down during each either
+else ever every few for from further get gets got had hadn has hasn have haven having he her here hers
+herself him himself his how i if in into is isn it its itself just let lets like ll me might mine more most
+much must my myself no nor not now of off often on once one only or other ought our ours ourselves out over
+own per please quite rather re really s said same say says shall shan she should shouldn since so some
+something such t than that thats the their theirs them themselves then there these they this those though
+through to too toward towards under until up upon us ve very was wasn way we well were weren what whatever
+when whenever where whether which while who whom whose why will with within without won would wouldn yes
+yet you your yours yourself yourselves
+tell remember recall know think mention mentioned talk talked kind sort thing things anything everything
+""".split())
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased word tokens, apostrophes kept inside words (don't, Tom's)."""
+    return [w.lower().replace("’", "'") for w in _WORD.findall(text)]
+
+
+def content_terms(text: str, drop: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The query's content words, in order, unique, at most `MAX_TERMS`: no stop words, no
+    possessive 's, nothing in `drop` (the people the query names are weighed apart)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for w in words(text):
+        if w.endswith("'s"):
+            w = w[:-2]
+        w = w.replace("'", "")
+        if len(w) < 2 and not w.isdigit():
+            continue
+        if w in STOP_WORDS or w in drop or w in seen:
+            continue
+        seen.add(w)
+        out.append(w)
+        if len(out) == MAX_TERMS:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class ParsedQuery:
+    text: str
+    terms: list[str]  # for the full-text index
+    people: list[str] = field(default_factory=list)  # speakers the query names (as stored)
+    window: TimeWindow | None = None
+    asks_when: bool = False  # "when did ...": the evidence is a turn that dates an event
+
+
+_WHEN = re.compile(r"^\s*(?:and\s+)?(?:when|what\s+(?:date|day|year|month|time)|how\s+long\s+ago)\b", re.I)
+
+
+def parse_query(text: str, speakers: list[str] | None = None, now: datetime | None = None) -> ParsedQuery:
+    """Read `text` against this user's known speakers and the conversation's own 'now'
+    (the newest message time), so that "last week" means the week before that."""
+    lowered = {w for w in words(text)} | {w[:-2] for w in words(text) if w.endswith("'s")}
+    people = [s for s in speakers or [] if s and all(p in lowered for p in words(s))]
+    drop = {p for s in people for p in words(s)}
+    window = parse_time(text, now) if now is not None else None
+    return ParsedQuery(text, content_terms(text, drop), people, window, bool(_WHEN.search(text)))
