@@ -22,7 +22,7 @@ from .engine import Segment
 from .tiers.records import CoreBlock, Hit, Message
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
-MIN_SIMILARITY = 0.1  # below this a hit is noise, not memory
+MIN_SIMILARITY = 0.1  # below this, a hit that only embeddings found is noise, not memory
 TURN_SHARE = 0.25  # a single message longer than this share of the budget is cut to it
 RECALL_HEADER = "Notes from our earlier conversations (oldest first; newer notes replace older ones):\n"
 QUESTION_HEADER = "\nUsing these notes, answer: "
@@ -77,7 +77,7 @@ def memory_line(hit: Hit, compressed: bool = False) -> str:
     `compressed`, its stored compressed text where it has one."""
     text = " ".join(((compressed and hit.compressed_text) or hit.text).split())
     if hit.kind == "message":
-        who = "you said" if hit.role == "assistant" else "I said"
+        who = f"{hit.name} said" if hit.name else "you said" if hit.role == "assistant" else "I said"
         return f'- {hit.time:%Y-%m-%d} {who}: "{text}"\n'
     return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
@@ -129,11 +129,14 @@ class Assembler:
         cands, seen = [], set()
         for h in hits:
             said = " ".join(h.text.split()).lower()
-            if h.similarity < MIN_SIMILARITY or said in seen:  # the same words said twice are one note
+            if said in seen:  # the same words said twice are one note
                 continue
-            if h.kind == "message" and h.role == "assistant":
+            if h.similarity < MIN_SIMILARITY and not {"lexical", "facts"} & set(h.retrievers):
+                continue  # only a weak embedding match: noise
+            if h.kind == "message" and h.role == "assistant" and not h.name:
                 # the small model's own earlier replies are unreliable, and as notes it copies
-                # them word for word instead of answering (seen in the demo); search still finds them
+                # them word for word instead of answering (seen in the demo); search still finds
+                # them. A named speaker's turn (an imported conversation) is a person's words.
                 continue
             seen.add(said)
             tier = self.policy_tier(h)

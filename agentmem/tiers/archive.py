@@ -330,20 +330,24 @@ class Archive:
 
     def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
                        exclude: Iterable[int] = (), since: datetime | None = None,
-                       until: datetime | None = None) -> list[tuple[int, float]]:
-        """(message id, score) from the database's own full-text index, best first: FTS5's
-        bm25 on SQLite, `ts_rank_cd` over `websearch_to_tsquery` on PostgreSQL. `terms` are
-        plain words (see `query.content_terms`); any of them may match."""
+                       until: datetime | None = None, what: str = "messages") -> list[tuple[int, float]]:
+        """(id, score) of messages (or active memories, `what="memories"`) from the database's
+        own full-text index, best first: FTS5's bm25 on SQLite, `ts_rank_cd` over
+        `websearch_to_tsquery` on PostgreSQL. `terms` are plain words (`query.content_terms`);
+        any of them may match."""
+        if what not in ("messages", "memories"):
+            raise ValueError(f"what must be 'messages' or 'memories', got {what!r}")
         with self.tx() as s:
             return lexical.search(s, tenant_id, user_id, terms, limit, list(exclude), to_db_time(since),
-                                  to_db_time(until))
+                                  to_db_time(until), what)
 
     def purge_fulltext(self) -> None:
-        """Merge the full-text index so deleted messages' terms leave its pages (SQLite keeps
+        """Merge the full-text indexes so deleted rows' terms leave their pages (SQLite keeps
         them in older segments until a merge); PostgreSQL's GIN drops them with the row."""
         if self.engine.dialect.name == "sqlite":
             with self.engine.begin() as c:
-                c.execute(text("INSERT INTO message_fts(message_fts) VALUES ('optimize')"))
+                for fts in lexical.SQLITE_DDL:
+                    c.execute(text(f"INSERT INTO {fts}({fts}) VALUES ('optimize')"))
 
     def set_message_compressed(self, tenant_id: str, user_id: str, texts: dict[int, str]) -> None:
         """Store the compressed text of messages (id -> text), once, in one transaction."""

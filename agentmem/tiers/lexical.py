@@ -14,30 +14,49 @@ from datetime import datetime
 
 from sqlalchemy import text
 
-_FTS_WEIGHTS = (1.0, 0.35)  # bm25 weights of the columns (text, keys)
-
 # The DDL of migration 0003 (which imports it). Frozen: a change needs a new migration.
-SQLITE_TABLE = """CREATE VIRTUAL TABLE message_fts USING fts5(
-    text, keys, content='messages', content_rowid='id', tokenize='porter unicode61 remove_diacritics 2')"""
-SQLITE_TRIGGERS = (
-    """CREATE TRIGGER message_fts_ai AFTER INSERT ON messages BEGIN
-        INSERT INTO message_fts(rowid, text, keys) VALUES (new.id, new.text, coalesce(new.keys, ''));
-    END""",
-    """CREATE TRIGGER message_fts_ad AFTER DELETE ON messages BEGIN
-        INSERT INTO message_fts(message_fts, rowid, text, keys) VALUES ('delete', old.id, old.text, coalesce(old.keys, ''));
-    END""",
-    """CREATE TRIGGER message_fts_au AFTER UPDATE OF text, keys ON messages BEGIN
-        INSERT INTO message_fts(message_fts, rowid, text, keys) VALUES ('delete', old.id, old.text, coalesce(old.keys, ''));
-        INSERT INTO message_fts(rowid, text, keys) VALUES (new.id, new.text, coalesce(new.keys, ''));
-    END""",
-)
-SQLITE_REBUILD = "INSERT INTO message_fts(message_fts) VALUES ('rebuild')"
+# Messages index their text and `keys` (captions), memories their text; memories leave the
+# index only when deleted (superseded ones are filtered out by status, as in every query).
+_SPECS = {  # fts table -> (content table, indexed columns)
+    "message_fts": ("messages", ("text", "keys")),
+    "memory_fts": ("memories", ("text",)),
+}
+
+
+def _sqlite_ddl(fts: str) -> tuple[str, tuple[str, ...]]:
+    table, cols = _SPECS[fts]
+    names = ", ".join(cols)
+    new = ", ".join(f"coalesce(new.{c}, '')" for c in cols)
+    old = ", ".join(f"coalesce(old.{c}, '')" for c in cols)
+    create = (f"CREATE VIRTUAL TABLE {fts} USING fts5({names}, content='{table}', content_rowid='id', "
+              "tokenize='porter unicode61 remove_diacritics 2')")
+    triggers = (
+        f"CREATE TRIGGER {fts}_ai AFTER INSERT ON {table} BEGIN "
+        f"INSERT INTO {fts}(rowid, {names}) VALUES (new.id, {new}); END",
+        f"CREATE TRIGGER {fts}_ad AFTER DELETE ON {table} BEGIN "
+        f"INSERT INTO {fts}({fts}, rowid, {names}) VALUES ('delete', old.id, {old}); END",
+        f"CREATE TRIGGER {fts}_au AFTER UPDATE OF {names} ON {table} BEGIN "
+        f"INSERT INTO {fts}({fts}, rowid, {names}) VALUES ('delete', old.id, {old}); "
+        f"INSERT INTO {fts}(rowid, {names}) VALUES (new.id, {new}); END",
+    )
+    return create, triggers
+
+
+SQLITE_DDL = {fts: _sqlite_ddl(fts) for fts in _SPECS}
 PG_DDL = (
     """ALTER TABLE messages ADD COLUMN search_tsv tsvector GENERATED ALWAYS AS (
         setweight(to_tsvector('english', coalesce(text, '')), 'A') ||
         setweight(to_tsvector('english', coalesce(keys, '')), 'B')) STORED""",
     "CREATE INDEX ix_messages_search_tsv ON messages USING gin (search_tsv)",
+    """ALTER TABLE memories ADD COLUMN search_tsv tsvector GENERATED ALWAYS AS (
+        to_tsvector('english', coalesce(text, ''))) STORED""",
+    "CREATE INDEX ix_memories_search_tsv ON memories USING gin (search_tsv)",
 )
+_BM25_WEIGHTS = {"message_fts": "1.0, 0.35", "memory_fts": "1.0"}
+
+
+def rebuild(fts: str) -> str:
+    return f"INSERT INTO {fts}({fts}) VALUES ('rebuild')"
 
 
 def _fts5_query(terms: list[str]) -> str:
@@ -49,38 +68,44 @@ def _pg_query(terms: list[str]) -> str:
     return " or ".join(t.replace('"', "").replace("-", " ") for t in terms)
 
 
-def _filters(exclude: list[int], since, until) -> tuple[str, dict]:
+def _filters(exclude: list[int], since, until, timed: bool) -> tuple[str, dict]:
     sql, params = "", {}
     if exclude:
         names = [f"x{i}" for i in range(len(exclude))]
         sql += f" AND m.id NOT IN ({', '.join(':' + n for n in names)})"
         params.update(zip(names, exclude, strict=True))
-    if since is not None:
-        sql += " AND coalesce(m.event_time, m.created_at) >= :since"
+    when = "coalesce(m.event_time, m.created_at)"
+    if since is not None and timed:
+        sql += f" AND {when} >= :since"
         params["since"] = since
-    if until is not None:
-        sql += " AND coalesce(m.event_time, m.created_at) <= :until"
+    if until is not None and timed:
+        sql += f" AND {when} <= :until"
         params["until"] = until
     return sql, params
 
 
 def search(s, tenant_id: str, user_id: str, terms: list[str], limit: int, exclude: list[int],
-           since: datetime | None, until: datetime | None) -> list[tuple[int, float]]:
-    """(message id, score) best first; scores are larger-is-better on both databases."""
+           since: datetime | None, until: datetime | None, what: str = "messages") -> list[tuple[int, float]]:
+    """(row id, score) of `what` ("messages" or active "memories"), best first; scores are
+    larger-is-better on both databases."""
     if not terms or limit <= 0:
         return []
-    extra, params = _filters(exclude, since, until)
+    fts = "message_fts" if what == "messages" else "memory_fts"
+    table = _SPECS[fts][0]
+    extra, params = _filters(exclude if what == "messages" else [], since, until, timed=True)
+    if what == "memories":
+        extra += " AND m.status = 'active'"
     params.update(tenant=tenant_id, user=user_id, limit=limit)
     dialect = s.get_bind().dialect.name
     if dialect == "sqlite":
         params["q"] = _fts5_query(terms)
-        w = ", ".join(str(x) for x in _FTS_WEIGHTS)
-        sql = (f"SELECT m.id, -bm25(message_fts, {w}) AS score FROM message_fts JOIN messages m "
-               f"ON m.id = message_fts.rowid WHERE message_fts MATCH :q AND m.tenant_id = :tenant "
-               f"AND m.user_id = :user{extra} ORDER BY bm25(message_fts, {w}) LIMIT :limit")
+        w = _BM25_WEIGHTS[fts]
+        sql = (f"SELECT m.id, -bm25({fts}, {w}) AS score FROM {fts} JOIN {table} m "
+               f"ON m.id = {fts}.rowid WHERE {fts} MATCH :q AND m.tenant_id = :tenant "
+               f"AND m.user_id = :user{extra} ORDER BY bm25({fts}, {w}) LIMIT :limit")
     elif dialect == "postgresql":
         params["q"] = _pg_query(terms)
-        sql = ("SELECT m.id, ts_rank_cd(m.search_tsv, q) AS score FROM messages m, "
+        sql = (f"SELECT m.id, ts_rank_cd(m.search_tsv, q) AS score FROM {table} m, "
                "websearch_to_tsquery('english', :q) q WHERE m.search_tsv @@ q AND m.tenant_id = :tenant "
                f"AND m.user_id = :user{extra} ORDER BY score DESC, m.id DESC LIMIT :limit")
     else:
@@ -89,16 +114,17 @@ def search(s, tenant_id: str, user_id: str, terms: list[str], limit: int, exclud
 
 
 def ensure_index(conn) -> None:
-    """Re-create the SQLite triggers if a later table rebuild dropped them (and rebuild the
-    index from the messages then): the full-text index must never silently fall behind."""
+    """Re-create missing SQLite full-text tables or triggers (a later rebuild of a table drops
+    its triggers) and rebuild that index from its table: it must never silently fall behind."""
     if conn.dialect.name != "sqlite":
         return
     have = {r[0] for r in conn.execute(text("SELECT name FROM sqlite_master WHERE type IN ('trigger', 'table')"))}
-    missing = [stmt for stmt in SQLITE_TRIGGERS if stmt.split()[2] not in have]
-    if not missing:
-        return
-    if "message_fts" not in have:
-        conn.execute(text(SQLITE_TABLE))
-    for stmt in missing:
-        conn.execute(text(stmt))
-    conn.execute(text(SQLITE_REBUILD))
+    for fts, (create, triggers) in SQLITE_DDL.items():
+        missing = [t for t in triggers if t.split()[2] not in have]
+        if fts in have and not missing:
+            continue
+        if fts not in have:
+            conn.execute(text(create))
+        for stmt in missing:
+            conn.execute(text(stmt))
+        conn.execute(text(rebuild(fts)))

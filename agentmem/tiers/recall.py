@@ -56,7 +56,8 @@ IMPORTANCE_WEIGHT = 0.2
 ASSISTANT_WEIGHT = 0.85  # an unnamed assistant turn is the model's own reply: maybe wrong
 RETRIEVERS = ("dense", "context", "lexical", "facts")
 RRF_K = 10
-WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.0}
+# a fact is distilled and checked by reflection: its one dense vote weighs more than a turn's
+WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.5}
 DEPTH = 100  # candidates taken from each retriever
 WINDOW_BOOST = 1.6  # a turn inside the question's time window
 NEAR_WINDOW_BOOST = 1.2  # within a week of it
@@ -364,6 +365,11 @@ class Recall:
             found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
             for rank, mid in _tied_ranks(found):
                 cands.setdefault((_MESSAGE, mid), _Cand(_MESSAGE, mid)).ranks["lexical"] = rank
+            if ui.memories:
+                found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, since=since, until=until,
+                                                    what="memories")
+                for rank, mid in _tied_ranks(found):
+                    cands.setdefault((_MEMORY, mid), _Cand(_MEMORY, mid)).ranks["lexical"] = rank
         if not cands:
             return []
         return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now or conv_now)

@@ -39,7 +39,7 @@ class Base(DeclarativeBase):
 
 # Full-text search objects that migration 0003 creates and the database maintains itself
 # (tiers/lexical.py): no ORM model maps them, so schema comparisons leave them out.
-FULLTEXT_OBJECTS = ("message_fts", "search_tsv", "ix_messages_search_tsv")
+FULLTEXT_OBJECTS = ("message_fts", "memory_fts", "search_tsv", "ix_messages_search_tsv", "ix_memories_search_tsv")
 
 
 def include_object(obj, name: str | None, type_: str, reflected: bool, compare_to) -> bool:
