@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernels": ("agentmem.engine.kernels.bench", "attention/RoPE kernels vs their torch peers"),
     "blend": ("agentmem.kvreuse.bench", "chunk-KV reuse: full vs reuse vs CacheBlend"),
     "memory": ("agentmem.bench_memory", "multi-session memory QA workload"),
+    "recall": ("agentmem.recall_bench.bench", "evidence recall on generated multi-session conversations"),
     "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
 }
 

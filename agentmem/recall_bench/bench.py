@@ -1,0 +1,251 @@
+"""`agentmem bench recall`: does `AgentSession.search` find the turns that answer a question?
+
+The generated conversations (`generator`) are imported through `AgentSession.add_messages`
+(one agentmem user per conversation, one agentmem session per conversation session, with
+`created_at` and the speaker's `name`); every question is then asked with
+`search(question, k=10)`. A hit counts for the message it is, or, for a reflected fact, for
+the messages it rests on (`source_ids`), in rank order, each message once. Peers measured in
+the same run on the same turns: plain all-MiniLM-L6-v2 cosine over the raw turn texts, and
+the database's full-text ranking alone (`MemoryStore.search(..., retrievers=("lexical",))`).
+
+Scale: one user filled to each size in `--scale` with generated turns (batches of 500 through
+`AgentSession.add_messages`), then `search` and `context` timed on ~30 questions per size.
+The JSON (last line with --json) names the CPU flags and dtype beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .generator import CATEGORIES, Dataset, generate, scale_history
+
+BATCH = 500
+K = 10
+
+
+def ranked_messages(hits) -> list[int]:
+    """Message ids in rank order: a message hit for itself, a memory for its sources; each once."""
+    out: list[int] = []
+    for h in hits:
+        for mid in ([h.id] if h.kind == "message" else list(h.source_ids)):
+            if mid not in out:
+                out.append(mid)
+    return out
+
+
+def scores(ranked: list[int], evidence: list[int]) -> tuple[float, float, float]:
+    """Recall at 5 and 10 (share of the evidence found) and binary nDCG at 10."""
+    ev = set(evidence)
+    r5 = len(ev & set(ranked[:5])) / len(ev)
+    r10 = len(ev & set(ranked[:K])) / len(ev)
+    dcg = sum(1 / math.log2(i + 2) for i, m in enumerate(ranked[:K]) if m in ev)
+    ideal = sum(1 / math.log2(i + 2) for i in range(min(len(ev), K)))
+    return r5, r10, dcg / ideal
+
+
+def _add(session, messages: list[dict]) -> list[int]:
+    ids = []
+    for i in range(0, len(messages), BATCH):
+        ids += [m.id for m in session.add_messages(messages[i:i + BATCH])]
+    return ids
+
+
+def import_conversations(data: Dataset, store, engine, config, tenant: str) -> tuple[dict[str, list[int]], float]:
+    """Each conversation into its own user; returns turn index -> message id per conversation,
+    and the seconds `add_messages` took."""
+    from ..session import AgentSession
+
+    ids: dict[str, list[int]] = {}
+    spent = 0.0
+    for conv in tqdm(data.conversations, desc="import conversations", file=sys.stderr):
+        ids[conv.id] = []
+        for msgs in conv.sessions():
+            s = AgentSession(conv.id, tenant_id=tenant, config=config, engine=engine, store=store)
+            t0 = time.perf_counter()
+            ids[conv.id] += _add(s, msgs)
+            spent += time.perf_counter() - t0
+    return ids, spent
+
+
+def _dense(data: Dataset, ids: dict[str, list[int]], embedder) -> list[list[int]]:
+    """Plain cosine of the question against every raw turn of its conversation."""
+    by_conv = {c.id: c for c in data.conversations}
+    vecs = {cid: embedder.embed([t.text for t in c.turns]) for cid, c in by_conv.items()}
+    qv = embedder.embed([q.text for q in data.questions])
+    out = []
+    for q, v in zip(data.questions, qv, strict=True):
+        sims = vecs[q.conversation] @ v
+        top = np.argsort(-sims, kind="stable")[:K]
+        out.append([ids[q.conversation][i] for i in top])
+    return out
+
+
+def _lexical(store, tenant: str, data: Dataset) -> list[list[int]] | None:
+    """The database's full-text ranking alone; None while the store has no `retrievers`."""
+    out = []
+    for q in tqdm(data.questions, desc="lexical baseline", file=sys.stderr):
+        try:
+            hits = store.search(tenant, q.conversation, q.text, k=K, retrievers=("lexical",))
+        except TypeError:
+            return None
+        out.append(ranked_messages(hits))
+    return out
+
+
+def evaluate(data: Dataset, store, engine, config, embedder, tenant: str = "bench") -> dict:
+    """Import, ask every question, score the system and both peers per category."""
+    from ..session import AgentSession
+
+    ids, spent = import_conversations(data, store, engine, config, tenant)
+    system = []
+    sessions = {c.id: AgentSession(c.id, tenant_id=tenant, config=config, engine=engine, store=store)
+                for c in data.conversations}
+    for q in tqdm(data.questions, desc="search", file=sys.stderr):
+        system.append(ranked_messages(sessions[q.conversation].search(q.text, k=K))[:K])
+    dense = _dense(data, ids, embedder)
+    lexical = _lexical(store, tenant, data)
+    rows: dict[str, list[list[float]]] = defaultdict(list)
+    for i, q in enumerate(data.questions):
+        evidence = [ids[q.conversation][t] for t in q.evidence]
+        r5, r10, nd = scores(system[i], evidence)
+        row = [r5, r10, nd, scores(dense[i], evidence)[1]]
+        row.append(scores(lexical[i], evidence)[1] if lexical is not None else math.nan)
+        rows[q.category].append(row)
+        rows["all"].append(row)
+
+    def summary(r: list[list[float]]) -> dict:
+        m = np.asarray(r).mean(axis=0)
+        return {"evidence_recall_at_5": float(m[0]), "evidence_recall_at_10": float(m[1]), "ndcg_at_10": float(m[2]),
+                "dense_recall_at_10": float(m[3]), "lexical_recall_at_10": None if lexical is None else float(m[4]),
+                "questions": len(r)}
+
+    result = summary(rows["all"])
+    del result["questions"]
+    result["by_category"] = {c: summary(rows[c]) for c in CATEGORIES if rows[c]}
+    n_msgs = sum(len(v) for v in ids.values())
+    result |= {"questions": len(data.questions), "conversations": len(data.conversations), "messages": n_msgs,
+               "import_msgs_per_s": n_msgs / spent if spent else None}
+    return result
+
+
+def _pct(xs: list[float], p: float) -> float:
+    return float(np.percentile(np.asarray(xs), p))
+
+
+def measure_scale(sizes: list[int], store, engine, config, seed: int, queries: int,
+                  tenant: str = "bench-scale") -> tuple[list[dict], float]:
+    """One fresh user filled to each size in turn; search and context latency at each.
+    Returns the per-size rows and the import rate over the whole fill."""
+    from ..session import AgentSession
+
+    history, questions = scale_history(seed, max(sizes))
+    qs = random.Random(seed).sample(questions, min(queries, len(questions)))
+    user = f"scale-{seed}"
+    done, spent, rows = 0, 0.0, []
+    for size in sorted(sizes):
+        s = AgentSession(user, tenant_id=tenant, config=config, engine=engine, store=store)
+        with tqdm(total=size, initial=done, desc=f"fill to {size}", file=sys.stderr) as bar:
+            while done < size:
+                batch = history[done:min(size, done + BATCH)]
+                t0 = time.perf_counter()
+                s.add_messages(batch)
+                spent += time.perf_counter() - t0
+                done += len(batch)
+                bar.update(len(batch))
+        s.search(qs[0], k=K)
+        s.context(qs[0])  # warm: the first call may build and load this user's index
+        search_t, context_t = [], []
+        for q in tqdm(qs, desc=f"latency at {size}", file=sys.stderr):
+            t0 = time.perf_counter()
+            s.search(q, k=K)
+            search_t.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            s.context(q)
+            context_t.append(time.perf_counter() - t0)
+        rows.append({"messages": size, "search_p50_s": _pct(search_t, 50), "search_p95_s": _pct(search_t, 95),
+                     "context_p50_s": _pct(context_t, 50), "context_p95_s": _pct(context_t, 95)})
+    return rows, done / spent
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD features that matter for the figures (Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "neon"})
+
+
+def run(args: argparse.Namespace, engine, embedder, data_dir: Path) -> dict:
+    from ..config import Config
+    from ..tiers import MemoryStore
+
+    config = Config(data_dir=data_dir, db_url=args.db_url, dtype=args.dtype, device="cpu")
+    store = MemoryStore(config, embedder=embedder)
+    t0 = time.perf_counter()
+    lo, hi = (int(x) for x in args.turns.split(","))
+    data = generate(args.seed, args.conversations, args.sessions, (lo, hi))
+    print(f"{len(data.conversations)} conversations, {sum(len(c.turns) for c in data.conversations)} turns, "
+          f"{len(data.questions)} questions", file=sys.stderr)
+    result = evaluate(data, store, engine, config, embedder)
+    sizes = [] if args.no_scale else [int(x) for x in args.scale.split(",") if x]
+    result["scale"], result["ingest_msgs_per_s"] = [], result["import_msgs_per_s"]
+    if sizes:
+        result["scale"], result["ingest_msgs_per_s"] = measure_scale(sizes, store, engine, config, args.seed + 1,
+                                                                     args.scale_queries)
+    result |= {"seconds": time.perf_counter() - t0, "seed": args.seed, "k": K, "batch": BATCH,
+               "cpu_flags": cpu_flags(), "threads": _threads(), "dtype": str(engine.dtype).removeprefix("torch."),
+               "embedder": "all-MiniLM-L6-v2 (float32)", "db": store.archive.url.split(":", 1)[0]}
+    store.close()
+    return result
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="agentmem bench recall", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conversations", type=int, default=8, help="conversations (one user each)")
+    ap.add_argument("--sessions", type=int, default=None, help="sessions per conversation (default 10-25)")
+    ap.add_argument("--turns", default="20,60", help="turns per session, min,max")
+    ap.add_argument("--scale", default="1000,10000,100000", help="message counts for the one-user latency test")
+    ap.add_argument("--scale-queries", type=int, default=30)
+    ap.add_argument("--no-scale", action="store_true", help="skip the latency test")
+    ap.add_argument("--db-url", default=None, help="archive database (default: SQLite in a temporary folder)")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (context() counts tokens with it)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from ..config import Config
+    from ..engine import Engine
+    from ..tiers.embed import load_embedder
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    print("loading engine and embedder", file=sys.stderr)
+    engine = Engine.load(Config(dtype=args.dtype, device="cpu"))
+    embedder = load_embedder()
+    with tempfile.TemporaryDirectory(prefix="agentmem-recall-", ignore_cleanup_errors=True) as tmp:
+        result = run(args, engine, embedder, Path(tmp))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
