@@ -24,23 +24,25 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-# (key, statement, change statement or None, question, values)
+# (key, statement, change statement or None, question, values). The questions share no content
+# word with their statements (tests/test_bench_memory checks it): a question that repeats its
+# evidence's words measures nothing (issue 14), real users ask "what do I do for a living?".
 FACTS = [
-    ("dog", "My dog is called {v}.", "We renamed our dog, he is called {v} now.", "What is my dog called?",
+    ("dog", "My dog is called {v}.", "We renamed our dog, he is called {v} now.", "What name did I give my four-legged friend?",
      ["Biscuit", "Pepper", "Mango", "Ziggy", "Noodle", "Waffles"]),
-    ("city", "I live in {v}.", "I moved last month, I live in {v} now.", "Which city do I live in?",
+    ("city", "I live in {v}.", "I moved last month, I live in {v} now.", "Which town is home for me these days?",
      ["Lisbon", "Denver", "Osaka", "Nairobi", "Krakow", "Tampere"]),
-    ("job", "I work as a {v}.", "I changed careers, I now work as a {v}.", "What is my job?",
+    ("job", "I work as a {v}.", "I changed careers, I now work as a {v}.", "What do I do for a living?",
      ["nurse", "carpenter", "pilot", "librarian", "chemist", "baker"]),
-    ("color", "My favorite color is {v}.", "My favorite color changed, it is {v} now.", "What is my favorite color?",
+    ("color", "My favorite color is {v}.", "My favorite color changed, it is {v} now.", "Which shade do I like best?",
      ["teal", "maroon", "amber", "violet", "olive", "crimson"]),
-    ("sister", "My sister's name is {v}.", None, "What is my sister's name?",
+    ("sister", "My sister's name is {v}.", None, "What is my female sibling called?",
      ["Greta", "Ingrid", "Priya", "Marisol", "Yuki", "Esther"]),
-    ("car", "I drive a {v}.", "I sold my old car and now drive a {v}.", "What car do I drive?",
+    ("car", "I drive a {v}.", "I sold my old car and now drive a {v}.", "Which vehicle do I own?",
      ["Volvo", "Subaru", "Tesla", "Fiat", "Skoda", "Mazda"]),
-    ("instrument", "I play the {v}.", "I gave up my old instrument, now I play the {v}.", "Which instrument do I play?",
+    ("instrument", "I play the {v}.", "I gave up my old instrument, now I play the {v}.", "What do I make music with?",
      ["cello", "banjo", "trumpet", "harp", "oboe", "ukulele"]),
-    ("allergy", "I am allergic to {v}.", None, "What am I allergic to?",
+    ("allergy", "I am allergic to {v}.", None, "Which substance gives me a bad reaction?",
      ["peanuts", "shellfish", "penicillin", "pollen", "latex", "sesame"]),
 ]
 TOPICS = ["medieval castles", "tide pools", "board games", "the history of clocks", "mountain weather",
@@ -141,10 +143,11 @@ def _distractor(rng: random.Random) -> tuple[str, str]:
 @dataclass
 class Outcome:
     correct: bool
-    evidence: bool
+    evidence: bool  # the evidence reached the assembled prompt (after budgeting)
     prompt_tokens: int
     seconds: float
     reply: str
+    recalled: bool | None = None  # the evidence is in `search(question, k=10)`
 
 
 def prepare(store, engine, config, workload: list[UserHistory], tenant_id: str) -> None:
@@ -173,10 +176,12 @@ def run_memory(store, engine, config, workload: list[UserHistory], tenant_id: st
             reply = s.chat(q.text, max_tokens=max_tokens)
             dt = time.perf_counter() - t0
             tr = s.last_turn
+            hits = s.search(q.text, k=10)
+            found = any(h.id == q.evidence_id if h.kind == "message" else q.evidence_id in h.source_ids for h in hits)
             refs = {seg["ref"] for seg in tr.segments}
             evidence = f"message:{q.evidence_id}" in refs or any(
                 q.evidence_id in m["source_ids"] and q.answer.lower() in m["text"].lower() for m in tr.memories_used)
-            out.append(Outcome(q.answer.lower() in reply.lower(), evidence, tr.stats.prompt_tokens, dt, reply))
+            out.append(Outcome(q.answer.lower() in reply.lower(), evidence, tr.stats.prompt_tokens, dt, reply, found))
             print(f"  memory {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} ev={evidence} "
                   f"{tr.stats.prompt_tokens} tok {dt:.2f}s {reply[:60]!r}", file=sys.stderr)
     return out
@@ -222,7 +227,9 @@ def _pct(xs: list[float], p: float) -> float:
 
 def summarize(outcomes: list[Outcome]) -> dict:
     n = len(outcomes)
+    recalled = [o.recalled for o in outcomes if o.recalled is not None]
     return {"accuracy": sum(o.correct for o in outcomes) / n, "evidence": sum(o.evidence for o in outcomes) / n,
+            "recalled": sum(recalled) / len(recalled) if recalled else None,
             "prompt_tokens_mean": statistics.mean(o.prompt_tokens for o in outcomes),
             "p50": _pct([o.seconds for o in outcomes], 0.5), "p95": _pct([o.seconds for o in outcomes], 0.95)}
 
@@ -264,7 +271,8 @@ def main(argv: list[str]) -> int:
     mem = summarize(run_memory(store, engine, config, workload, "bench", args.max_tokens))
     hist = history_tokens(engine, workload)
     result = {
-        "evidence_recall_at_10": mem["evidence"],
+        "evidence_recall_at_10": mem["recalled"],
+        "evidence_in_prompt": mem["evidence"],
         "answer_accuracy": mem["accuracy"],
         "full_context_accuracy": None,
         "prompt_tokens_mean": mem["prompt_tokens_mean"],

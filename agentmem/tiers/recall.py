@@ -45,7 +45,7 @@ import numpy as np
 
 from .archive import Archive
 from .keys import context_view
-from .query import ParsedQuery, parse_query
+from .query import ParsedQuery, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
@@ -69,7 +69,7 @@ FLUSH_VECTORS = 4096  # save the index after this many new vectors (and on close
 FLUSH_SECONDS = 60.0
 _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT = 0, 1
-_INDEX_VERSION = 2
+_INDEX_VERSION = 3
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -126,6 +126,7 @@ class UserIndex:
     speakers: set[str] = field(default_factory=set)  # names the conversation gives its speakers
     newest: float = 0.0  # the conversation's 'now': its newest message time (unix seconds)
     times: dict[int, float] = field(default_factory=dict)  # message id -> its time, for time filters
+    info: dict[int, float] = field(default_factory=dict)  # message id -> query.information of its text
     dirty: int = 0  # vectors changed since the last save
     saved_at: float = field(default_factory=time.monotonic)
 
@@ -137,6 +138,9 @@ class UserIndex:
             self.times[m.id] = t
             if m.name:
                 self.speakers.add(m.name)
+        names = {p for s in self.speakers for p in words(s)}
+        for m in messages:
+            self.info[m.id] = information(m.text, names)
 
 
 @dataclass
@@ -221,7 +225,8 @@ class Recall:
                 raise ValueError("index written by another version")
             ui = UserIndex(faiss.read_index(str(index_path)), {int(k): v for k, v in meta["messages"].items()},
                            {int(k): v for k, v in meta["memories"].items()}, int(meta["top_id"]),
-                           set(meta["speakers"]), float(meta["newest"]), {int(k): v for k, v in meta["times"].items()})
+                           set(meta["speakers"]), float(meta["newest"]), {int(k): v for k, v in meta["times"].items()},
+                           {int(k): v for k, v in meta["info"].items()})
             if ui.index.ntotal != sum(ui.messages.values()) + len(ui.memories):
                 raise ValueError("index and its row list disagree")
             return ui
@@ -237,7 +242,7 @@ class Recall:
         tmp = meta_path.with_suffix(f".json.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps({"version": _INDEX_VERSION, "messages": ui.messages, "memories": ui.memories,
                                    "top_id": ui.top_id, "speakers": sorted(ui.speakers), "newest": ui.newest,
-                                   "times": ui.times}))
+                                   "times": ui.times, "info": ui.info}))
         os.replace(tmp, meta_path)
         ui.dirty, ui.saved_at = 0, time.monotonic()
 
@@ -274,11 +279,12 @@ class Recall:
                 for i in [i for i in ui.messages if i not in want]:
                     self._remove(ui, _MESSAGE, i)
                     ui.times.pop(i, None)
+                    ui.info.pop(i, None)
                 missing = sorted(want - ui.messages.keys())
                 if missing:
                     self._add_messages(tenant_id, user_id, ui, self.archive.messages(tenant_id, user_id, ids=missing))
                 if not ui.messages:
-                    ui.top_id, ui.newest, ui.speakers, ui.times = 0, 0.0, set(), {}
+                    ui.top_id, ui.newest, ui.speakers, ui.times, ui.info = 0, 0.0, set(), {}, {}
             want_mems = {i: t.isoformat() for i, t in self.archive.memory_versions(tenant_id, user_id).items()}
             for i in [i for i, v in ui.memories.items() if want_mems.get(i) != v]:
                 self._remove(ui, _MEMORY, i)
@@ -351,14 +357,14 @@ class Recall:
             raise ValueError(f"unknown retrievers {sorted(unknown)}; known: {list(RETRIEVERS)}")
         if k <= 0 or not use:
             return []
-        qvec = self.embedder.embed([query]) if use - {"lexical"} else None
         exclude = frozenset(exclude_messages)
         since, until = _aware(since), _aware(until)
+        ui = self.sync(tenant_id, user_id)
+        conv_now = datetime.fromtimestamp(ui.newest, UTC) if ui.newest else datetime.now(UTC)
+        pq = parse_query(query, sorted(ui.speakers), conv_now)
+        qvec = self.embedder.embed([pq.dense_text]) if use - {"lexical"} else None  # outside the user's lock
+        cands: dict[tuple[int, int], _Cand] = {}
         with self._lock(tenant_id, user_id):
-            ui = self.sync(tenant_id, user_id)
-            conv_now = datetime.fromtimestamp(ui.newest, UTC) if ui.newest else datetime.now(UTC)
-            pq = parse_query(query, sorted(ui.speakers), conv_now)
-            cands: dict[tuple[int, int], _Cand] = {}
             if qvec is not None and ui.index.ntotal:
                 self._dense(ui, qvec, use, exclude, cands, since, until)
         if "lexical" in use:
@@ -435,8 +441,10 @@ class Recall:
             score *= 1 - RECENCY_WEIGHT / 2 + RECENCY_WEIGHT / 2 * recency(when, now)
             if isinstance(row, Memory):
                 score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
-            elif row.role == "assistant" and not row.name:
-                score *= ASSISTANT_WEIGHT
+            else:
+                score *= ui.info.get(row.id, 1.0)
+                if row.role == "assistant" and not row.name:
+                    score *= ASSISTANT_WEIGHT
             if pq.window is not None:
                 if pq.window.contains(when):
                     score *= WINDOW_BOOST

@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import IntegrityError
+
 from .records import CoreBlock, Message
 from .store import MemoryStore
 
@@ -79,7 +81,10 @@ class WorkingContext:
         if missing and not self.persist:
             return blocks + [CoreBlock(label, DEFAULT_BLOCKS[label], 0, None) for label in missing]
         for label in missing:
-            self.store.set_core_block(self.tenant_id, self.user_id, label, DEFAULT_BLOCKS[label])
+            try:
+                self.store.set_core_block(self.tenant_id, self.user_id, label, DEFAULT_BLOCKS[label])
+            except IntegrityError:  # another session of this user wrote the default first
+                pass
         return self.store.core_blocks(self.tenant_id, self.user_id) if missing else blocks
 
     def push(self, messages: list[Message]) -> None:

@@ -1,0 +1,254 @@
+"""Hybrid recall (issue 14): each retriever alone and fused, the full-text index kept in step
+with the archive (migration, edits, deletes, tenants), time and people in the question,
+diversity over sessions, and bad input."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from agentmem.config import Config
+from agentmem.tiers import InvalidInput, MemoryStore
+from agentmem.tiers.archive import Archive, migrate
+from agentmem.tiers.query import content_terms, parse_query
+from agentmem.tiers.timeparse import parse_time
+
+T0 = datetime(2023, 5, 1, 10, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def store(tmp_path, embedder):
+    s = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    yield s
+    s.close()
+
+
+def _conversation(store, user="alice", tenant="default", sessions=None):
+    """Sessions of (speaker, text, day offset); speakers alternate roles user/assistant."""
+    ids = {}
+    for turns in sessions:
+        sid = store.open_session(tenant, user).id
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "name": who, "content": text,
+                 "created_at": T0 + timedelta(days=day, minutes=i)} for i, (who, text, day) in enumerate(turns)]
+        for m in store.add_messages(tenant, user, sid, msgs):
+            ids[m.text] = m.id
+    return ids
+
+
+SMALL_TALK = [("Priya", "Morning! How was your weekend?", 0), ("Tom", "Pretty quiet, mostly slept haha", 0),
+              ("Priya", "Same here, the weather was awful", 0), ("Tom", "Did you watch the match?", 0),
+              ("Priya", "No, I fell asleep on the sofa", 0), ("Tom", "Classic. Coffee later?", 0)]
+
+
+def test_each_retriever_alone_and_fused(store):
+    ids = _conversation(store, sessions=[SMALL_TALK + [
+        ("Priya", "I finally bought a second-hand cello, the neighbours will hate me", 0),
+        ("Tom", "Ha! Which shop did you get it from?", 0),
+        ("Priya", "The quirky place on Zamboni street that sells old radios", 0),
+    ]])
+    cello, zamboni = ids["I finally bought a second-hand cello, the neighbours will hate me"], \
+        ids["The quirky place on Zamboni street that sells old radios"]
+    # a paraphrase: no word in common with the evidence; only the embeddings find it
+    lexical = store.search("default", "alice", "Which musical instrument did Priya purchase?", k=3,
+                           retrievers=("lexical",))
+    assert cello not in [h.id for h in lexical]
+    dense = store.search("default", "alice", "Which musical instrument did Priya purchase?", k=3,
+                         retrievers=("dense",))
+    assert dense[0].id == cello and dense[0].retrievers == ["dense"]
+    # a rare name: the full-text index finds it first
+    lex = store.search("default", "alice", "zamboni", k=1, retrievers=("lexical",))
+    assert lex[0].id == zamboni and lex[0].retrievers == ["lexical"]
+    fused = store.search("default", "alice", "Where did Priya buy the instrument, the Zamboni shop?", k=3)
+    assert {cello, zamboni} <= {h.id for h in fused}
+    top = next(h for h in fused if h.id == zamboni)
+    assert {"lexical", "dense"} <= set(top.retrievers)
+    with pytest.raises(ValueError, match="unknown retrievers"):
+        store.search("default", "alice", "cello", retrievers=("bm25",))
+
+
+def test_reflected_fact_counts_for_its_sources(store):
+    ids = _conversation(store, sessions=[SMALL_TALK + [("Tom", "we got the keys to the new flat in Ghent!!", 3)]])
+    source = ids["we got the keys to the new flat in Ghent!!"]
+    fact = store.add_memory("default", "alice", "Tom moved house to Ghent.", importance=0.8, source_ids=[source])
+    hits = store.search("default", "alice", "Where did Tom relocate to?", k=3)
+    assert any(h.kind == "fact" and h.id == fact.id and "facts" in h.retrievers for h in hits)
+    msg = next(h for h in hits if h.kind == "message" and h.id == source)
+    assert "facts" in msg.retrievers  # the fact voted for the turn it came from
+
+
+def test_fulltext_follows_edits_deletes_and_tenants(store):
+    t1, t2 = store.create_tenant("one"), store.create_tenant("two")
+    for t in (t1, t2):
+        sid = store.open_session(t, "u").id
+        store.add_messages(t, "u", sid, [{"role": "user", "content": "The zeppelin museum was closed"}])
+    a = store.archive
+    assert len(a.lexical_search(t1, "u", ["zeppelin"])) == 1 and len(a.lexical_search(t2, "u", ["zeppelin"])) == 1
+    hits = store.search(t1, "u", "zeppelin", k=10)
+    assert [h.text for h in hits] == ["The zeppelin museum was closed"]
+    assert hits[0].id == a.lexical_search(t1, "u", ["zeppelin"])[0][0]  # never the other tenant's row
+    m = store.add_memory(t1, "u", "Likes airships such as the Hindenburg.")
+    assert [i for i, _ in a.lexical_search(t1, "u", ["hindenburg"], what="memories")] == [m.id]
+    store.update_memory(t1, "u", m.id, "Likes trains.")
+    assert a.lexical_search(t1, "u", ["hindenburg"], what="memories") == []
+    assert [i for i, _ in a.lexical_search(t1, "u", ["train"], what="memories")] == [m.id]  # stemmed
+    store.supersede(t1, "u", m.id, store.add_memory(t1, "u", "Likes boats.").id)
+    assert a.lexical_search(t1, "u", ["train"], what="memories") == []  # superseded: never recalled
+    store.delete_user(t1, "u")
+    assert a.lexical_search(t1, "u", ["zeppelin"]) == [] and store.search(t1, "u", "zeppelin") == []
+    assert len(a.lexical_search(t2, "u", ["zeppelin"])) == 1
+    a.purge_fulltext()
+    store.delete_tenant(t2)
+    assert a.lexical_search(t2, "u", ["zeppelin"]) == []
+
+
+def _upgrade_from_0002(url: str) -> None:
+    engine = sa.create_engine(url)
+    with engine.begin() as c:
+        migrate(c, "0002")
+        now = datetime.now()
+        c.execute(sa.text("insert into messages (tenant_id, user_id, session_id, role, text, created_at) values "
+                          "('t', 'u', 's', 'user', 'the aquarium had a giant octopus', :now)"), {"now": now})
+        c.execute(sa.text("insert into memories (tenant_id, user_id, kind, text, importance, status, source_ids, "
+                          "created_at, updated_at) values ('t', 'u', 'fact', 'Enjoys aquariums', 0.5, 'active', "
+                          "'[]', :now, :now)"), {"now": now})
+    engine.dispose()
+    a = Archive(url)  # upgrades to head: the existing rows are indexed
+    assert [i for i, _ in a.lexical_search("t", "u", ["octopuses"])] == [1]
+    assert len(a.lexical_search("t", "u", ["aquarium"], what="memories")) == 1
+    a.close()
+
+
+def test_migration_backfills_existing_rows_sqlite(tmp_path):
+    _upgrade_from_0002(f"sqlite:///{tmp_path / 'old.db'}")
+
+
+def test_migration_backfills_existing_rows_postgresql(pg_url):
+    _upgrade_from_0002(pg_url)
+
+
+def test_postgresql_fulltext_and_fusion(tmp_path, embedder, pg_url):
+    s = MemoryStore(Config(data_dir=tmp_path, db_url=pg_url), embedder=embedder)
+    try:
+        ids = _conversation(s, sessions=[SMALL_TALK + [("Priya", "The quirky place on Zamboni street", 0)]])
+        found = s.archive.lexical_search("default", "alice", content_terms('zamboni "streets" NEAR * :'))
+        assert found[0][0] == ids["The quirky place on Zamboni street"]
+        hits = s.search("default", "alice", "zamboni", k=2)
+        assert hits[0].id == ids["The quirky place on Zamboni street"] and "lexical" in hits[0].retrievers
+        s.delete_user("default", "alice")
+        assert s.archive.lexical_search("default", "alice", ["zamboni"]) == []
+    finally:
+        s.close()
+
+
+def test_speaker_named_in_the_question_is_favoured(store):
+    ids = _conversation(store, sessions=[
+        SMALL_TALK + [("Priya", "Our tabby cat knocked a plant off the shelf again", 2),
+                      ("Tom", "Ha, our parrot keeps shouting at the neighbour's dog", 2)],
+    ])
+    hits = store.search("default", "alice", "What pet does Tom have?", k=2)
+    assert hits[0].id == ids["Ha, our parrot keeps shouting at the neighbour's dog"]
+    hits = store.search("default", "alice", "What pet does Priya have?", k=2)
+    assert hits[0].id == ids["Our tabby cat knocked a plant off the shelf again"]
+
+
+def test_time_in_the_question_picks_the_window(store):
+    ids = _conversation(store, sessions=[
+        [("Priya", "I cooked a huge pot of lentil curry tonight", 0), ("Tom", "Yum", 0)],
+        [("Priya", "I cooked a huge pot of mushroom risotto tonight", 35), ("Tom", "Yum", 35)],
+        [("Priya", "I cooked a huge pot of chickpea stew tonight", 70), ("Tom", "Yum", 70)],
+    ])
+    # conversation 'now' is 2023-07-10: "in June" is the second session
+    hits = store.search("default", "alice", "What did Priya cook in June?", k=1)
+    assert hits[0].id == ids["I cooked a huge pot of mushroom risotto tonight"]
+    hits = store.search("default", "alice", "What did Priya cook in May 2023?", k=1)
+    assert hits[0].id == ids["I cooked a huge pot of lentil curry tonight"]
+
+
+def test_evidence_in_two_sessions_both_come_back(store):
+    filler = [("Tom", f"random chat about the weather number {i}", 0) for i in range(6)]
+    ids = _conversation(store, sessions=[
+        [("Tom", "I grew up in Leeds, lived there till I was twenty", 0), ("Tom", "Leeds was rainy", 0),
+         ("Tom", "I lived in Leeds near the canal", 0), ("Tom", "Leeds has great curry", 0)] + filler,
+        filler + [("Tom", "we got the keys to our new place in Bristol last week", 40)],
+    ])
+    hits = store.search("default", "alice", "Which cities has Tom lived in?", k=4)
+    assert ids["we got the keys to our new place in Bristol last week"] in [h.id for h in hits]
+    assert len({h.session_id for h in hits}) == 2
+
+
+@pytest.mark.parametrize("query", ["the of and a", "x" * 100_000, '" * NEAR : -( ) ^ AND OR NOT',
+                                   "café ünïcode 東京 emoji 🎻", "SELECT * FROM messages; --", "NEAR(a b, 2)"])
+def test_bad_queries_give_results_or_clear_errors(store, query):
+    _conversation(store, sessions=[SMALL_TALK])
+    hits = store.search("default", "alice", query, k=3)
+    assert len(hits) <= 3
+    for h in hits:
+        assert h.kind == "message"
+
+
+def test_empty_query_is_a_clear_error(store):
+    with pytest.raises(InvalidInput, match="empty"):
+        store.search("default", "alice", "   ")
+
+
+def test_query_terms_and_people():
+    assert content_terms("What did Tom's sister buy in the shop?") == ["tom", "sister", "buy", "shop"]
+    assert content_terms("the of and") == []
+    assert len(content_terms(" ".join(f"w{i}" for i in range(1000)))) == 48
+    pq = parse_query("What did Tom's sister buy last week?", ["Tom", "Priya"], datetime(2023, 8, 2, tzinfo=UTC))
+    assert pq.people == ["Tom"] and "tom" not in pq.terms and pq.window is not None
+    assert parse_query("When did Priya move?", ["Priya"]).asks_when
+
+
+# (question, reference 'now', expected since, expected until) -- `now` is a Wednesday
+NOW = datetime(2023, 8, 2, 15, 0, tzinfo=UTC)
+TIME_TABLE = [
+    ("What did Tom cook last week?", NOW, "2023-07-24", "2023-07-31"),
+    ("What happened yesterday?", NOW, "2023-08-01", "2023-08-02"),
+    ("the day before yesterday", NOW, "2023-07-31", "2023-08-01"),
+    ("What did Priya do in May 2023?", NOW, "2023-05-01", "2023-06-01"),
+    ("Where was he in March?", NOW, "2023-03-01", "2023-04-01"),
+    ("in December", NOW, "2022-12-01", "2023-01-01"),  # the last December before 'now'
+    ("What did we do on 7 May 2023?", NOW, "2023-05-07", "2023-05-08"),
+    ("What happened on May 20th?", NOW, "2023-05-20", "2023-05-21"),
+    ("on 2023-06-14", NOW, "2023-06-14", "2023-06-15"),
+    ("what did he do last weekend", NOW, "2023-07-29", "2023-07-31"),
+    ("plans for this month", NOW, "2023-08-01", "2023-09-01"),
+    ("last month", NOW, "2023-07-01", "2023-08-01"),
+    ("last year", NOW, "2022-01-01", "2023-01-01"),
+    ("in 2021", NOW, "2021-01-01", "2022-01-01"),
+    ("early June", NOW, "2023-06-01", "2023-06-12"),
+    ("late June", NOW, "2023-06-20", "2023-07-01"),
+    ("last Monday", NOW, "2023-07-31", "2023-08-01"),
+    ("two weeks ago", NOW, "2023-07-16", "2023-07-23"),
+    ("3 days ago", NOW, "2023-07-29", "2023-07-31"),
+    ("last week", datetime(2024, 1, 3, tzinfo=UTC), "2023-12-25", "2024-01-01"),
+    ("last month", datetime(2024, 1, 15, tzinfo=UTC), "2023-12-01", "2024-01-01"),
+]
+
+
+@pytest.mark.parametrize(("question", "now", "since", "until"), TIME_TABLE)
+def test_time_phrases(question, now, since, until):
+    w = parse_time(question, now)
+    assert w is not None, question
+    assert (w.since.date().isoformat(), w.until.date().isoformat()) == (since, until)
+
+
+@pytest.mark.parametrize("question", ["What may I bring?", "When did Tom move house?", "Which instrument?",
+                                      "I will march on", "the mar of the sea"])
+def test_no_time_where_there_is_none(question):
+    assert parse_time(question, NOW) is None
+
+
+def test_lazy_index_and_hard_time_filters(store):
+    sid = store.open_session("default", "bob").id
+    store.add_messages("default", "bob", sid, [
+        {"role": "user", "content": f"Day {i}: I walked the dog in the park", "created_at": T0 + timedelta(days=i)}
+        for i in range(400)])
+    ui = store.recall._indexes.get(("default", "bob"))
+    assert ui is None or not ui.messages  # writes did not wait for embeddings
+    hits = store.search("default", "bob", "dog walk in the park", k=5, since=T0 + timedelta(days=300),
+                        until=T0 + timedelta(days=302, hours=12))
+    assert sorted(h.text for h in hits) == [f"Day {i}: I walked the dog in the park" for i in (300, 301, 302)]
