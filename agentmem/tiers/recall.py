@@ -49,7 +49,7 @@ from .query import ParsedQuery, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
-MAX_CHUNKS = 1023  # per message: the vector id keeps 10 bits for the chunk
+MAX_CHUNKS = 2047  # pieces of one message
 HALF_LIFE_DAYS = 30.0
 RECENCY_WEIGHT = 0.2
 IMPORTANCE_WEIGHT = 0.2
@@ -61,7 +61,7 @@ WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.5}
 DEPTH = 100  # candidates taken from each retriever
 WINDOW_BOOST = 1.6  # a turn inside the question's time window
 NEAR_WINDOW_BOOST = 1.2  # within a week of it
-SPEAKER_BOOST = 1.35  # a turn by a person the question names
+SPEAKER_BOOST = 1.6  # a turn by a person the question names (real questions name whom they ask about)
 MENTION_BOOST = 1.1  # a turn that names them
 WHEN_BOOST = 1.15  # a "when" question, and a turn that dates something
 SESSION_DECAY = 0.85  # each further hit from one session counts this much less
@@ -69,7 +69,7 @@ FLUSH_VECTORS = 4096  # save the index after this many new vectors (and on close
 FLUSH_SECONDS = 60.0
 _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT = 0, 1
-_INDEX_VERSION = 3
+_INDEX_VERSION = 4
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -89,20 +89,12 @@ def chunk_text(text: str, size: int = CHUNK_CHARS) -> list[str]:
     return [c for c in out if c] or [text]
 
 
-def _vid(kind: int, row_id: int, chunk: int = 0, view: int = _VIEW_TEXT) -> int:
-    return (row_id << 12) | (chunk << 2) | (view << 1) | kind
-
-
-def _unvid(vid: int) -> tuple[int, int, int, int]:
-    """(kind, row id, chunk, view)"""
-    return vid & 1, vid >> 12, (vid >> 2) & 0x3FF, (vid >> 1) & 1
-
-
-def _message_vectors(m: Message, previous: str | None) -> list[tuple[str, int]]:
-    """(text, vector id) for each piece the dense index holds of a message."""
+def _message_pieces(m: Message, previous: str | None) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """(text, piece) for each vector the dense index holds of a message; a piece is
+    (kind, row id, chunk, view)."""
     chunks = chunk_text(m.text)
-    out = [(c, _vid(_MESSAGE, m.id, i)) for i, c in enumerate(chunks)]
-    out.append((context_view(chunks[0], previous, m.keys), _vid(_MESSAGE, m.id, 0, _VIEW_CONTEXT)))
+    out = [(c, (_MESSAGE, m.id, i, _VIEW_TEXT)) for i, c in enumerate(chunks)]
+    out.append((context_view(chunks[0], previous, m.keys), (_MESSAGE, m.id, 0, _VIEW_CONTEXT)))
     return out
 
 
@@ -119,6 +111,9 @@ def hybrid_score(similarity: float, when: datetime, importance: float, now: date
 
 @dataclass
 class UserIndex:
+    """One user's vectors. FAISS ids are local and sequential (row ids are up to 53 bits and
+    do not fit beside a chunk number in FAISS's int64); `pieces` maps them back."""
+
     index: faiss.IndexIDMap2
     messages: dict[int, int] = field(default_factory=dict)  # message id -> vectors it has
     memories: dict[int, str] = field(default_factory=dict)  # memory id -> updated_at it was embedded at
@@ -127,8 +122,28 @@ class UserIndex:
     newest: float = 0.0  # the conversation's 'now': its newest message time (unix seconds)
     times: dict[int, float] = field(default_factory=dict)  # message id -> its time, for time filters
     info: dict[int, float] = field(default_factory=dict)  # message id -> query.information of its text
+    pieces: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # faiss id -> piece
+    vids: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (kind, row id) -> faiss ids
+    next_vid: int = 0
     dirty: int = 0  # vectors changed since the last save
     saved_at: float = field(default_factory=time.monotonic)
+
+    def assign(self, pieces: list[tuple[int, int, int, int]]) -> np.ndarray:
+        ids = np.arange(self.next_vid, self.next_vid + len(pieces), dtype=np.int64)
+        self.next_vid += len(pieces)
+        for vid, piece in zip(ids.tolist(), pieces, strict=True):
+            self.pieces[vid] = piece
+            self.vids.setdefault(piece[:2], []).append(vid)
+        return ids
+
+    def release(self, kind: int, row_id: int) -> list[int]:
+        out = self.vids.pop((kind, row_id), [])
+        for vid in out:
+            self.pieces.pop(vid, None)
+        return out
+
+    def vid_of(self, piece: tuple[int, int, int, int]) -> int | None:
+        return next((v for v in self.vids.get(piece[:2], []) if self.pieces[v] == piece), None)
 
     def see(self, messages: list[Message]) -> None:
         for m in messages:
@@ -223,27 +238,42 @@ class Recall:
             meta = json.loads(meta_path.read_text())
             if meta.get("version") != _INDEX_VERSION:
                 raise ValueError("index written by another version")
-            ui = UserIndex(faiss.read_index(str(index_path)), {int(k): v for k, v in meta["messages"].items()},
-                           {int(k): v for k, v in meta["memories"].items()}, int(meta["top_id"]),
-                           set(meta["speakers"]), float(meta["newest"]), {int(k): v for k, v in meta["times"].items()},
-                           {int(k): v for k, v in meta["info"].items()})
-            if ui.index.ntotal != sum(ui.messages.values()) + len(ui.memories):
-                raise ValueError("index and its row list disagree")
+            tables = np.load(meta_path.with_suffix(".npz"))
+            ui = UserIndex(faiss.read_index(str(index_path)), memories={int(k): v for k, v in meta["memories"].items()},
+                           top_id=int(meta["top_id"]), speakers=set(meta["speakers"]), newest=float(meta["newest"]),
+                           next_vid=int(meta["next_vid"]))
+            for vid, kind, row, chunk, view in tables["pieces"].tolist():
+                ui.pieces[vid] = (kind, row, chunk, view)
+                ui.vids.setdefault((kind, row), []).append(vid)
+                if kind == _MESSAGE:
+                    ui.messages[row] = ui.messages.get(row, 0) + 1
+            ui.next_vid = max([ui.next_vid, *[v + 1 for v in ui.pieces]])
+            for row, t, info in tables["messages"].tolist():
+                ui.times[int(row)], ui.info[int(row)] = t, info
+            if ui.index.ntotal != len(ui.pieces) or len(ui.memories) != sum(k == _MEMORY for k, *_ in ui.pieces.values()):
+                raise ValueError("index and its piece table disagree")
             return ui
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError):
             return UserIndex(self._new_index(), dirty=1)
 
     def _save(self, tenant_id: str, user_id: str, ui: UserIndex) -> None:
         index_path, meta_path = self._paths(tenant_id, user_id)
         index_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index_path.with_suffix(f".faiss.{os.getpid()}.{threading.get_ident()}.tmp")
+        tag = f"{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = index_path.with_suffix(f".faiss.{tag}")
         faiss.write_index(ui.index, str(tmp))
         os.replace(tmp, index_path)
-        tmp = meta_path.with_suffix(f".json.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"version": _INDEX_VERSION, "messages": ui.messages, "memories": ui.memories,
-                                   "top_id": ui.top_id, "speakers": sorted(ui.speakers), "newest": ui.newest,
-                                   "times": ui.times, "info": ui.info}))
-        os.replace(tmp, meta_path)
+        pieces = np.asarray([(v, *p) for v, p in ui.pieces.items()], dtype=np.int64).reshape(-1, 5)
+        rows = np.asarray([(i, ui.times.get(i, 0.0), ui.info.get(i, 1.0)) for i in ui.messages],
+                          dtype=np.float64).reshape(-1, 3)
+        tmp = meta_path.with_suffix(f".npz.{tag}")
+        with open(tmp, "wb") as f:
+            np.savez(f, pieces=pieces, messages=rows)
+        os.replace(tmp, meta_path.with_suffix(".npz"))
+        tmp = meta_path.with_suffix(f".json.{tag}")
+        tmp.write_text(json.dumps({"version": _INDEX_VERSION, "memories": ui.memories, "top_id": ui.top_id,
+                                   "speakers": sorted(ui.speakers), "newest": ui.newest, "next_vid": ui.next_vid}))
+        os.replace(tmp, meta_path)  # written last: it validates the other two
         ui.dirty, ui.saved_at = 0, time.monotonic()
 
     def flush(self, tenant_id: str, user_id: str) -> None:
@@ -300,44 +330,43 @@ class Recall:
         for m in messages:
             first.setdefault(m.session_id, m.id)
         last = {sid: m.text for sid, m in self.archive.turns_before(tenant_id, user_id, first).items()}
-        texts, ids = [], []
+        texts, pieces = [], []
         for m in messages:
-            pieces = _message_vectors(m, last.get(m.session_id))
+            got = _message_pieces(m, last.get(m.session_id))
             last[m.session_id] = m.text
-            texts += [t for t, _ in pieces]
-            ids += [v for _, v in pieces]
-            ui.messages[m.id] = len(pieces)
+            texts += [t for t, _ in got]
+            pieces += [p for _, p in got]
+            ui.messages[m.id] = len(got)
         ui.see(messages)
-        self._add(ui, texts, ids)
+        self._add(ui, texts, pieces)
 
     def _add_memories(self, ui: UserIndex, memories) -> None:
         memories = list(memories)
-        self._add(ui, [m.text for m in memories], [_vid(_MEMORY, m.id) for m in memories])
+        self._add(ui, [m.text for m in memories], [(_MEMORY, m.id, 0, _VIEW_TEXT) for m in memories])
         for m in memories:
             ui.memories[m.id] = m.updated_at.replace(tzinfo=None).isoformat()
 
-    def _add(self, ui: UserIndex, texts: list[str], ids: list[int]) -> None:
+    def _add(self, ui: UserIndex, texts: list[str], pieces: list[tuple[int, int, int, int]]) -> None:
         if texts:
-            ui.index.add_with_ids(self.embedder.embed(texts), np.asarray(ids, dtype=np.int64))
+            vectors = self.embedder.embed(texts)
+            ui.index.add_with_ids(vectors, ui.assign(pieces))
             ui.dirty += len(texts)
 
     def _remove(self, ui: UserIndex, kind: int, row_id: int) -> None:
         if kind == _MESSAGE:
-            if row_id not in ui.messages:
-                return
-            n = ui.messages.pop(row_id)
-            vids = [_vid(kind, row_id, c) for c in range(n)] + [_vid(kind, row_id, 0, _VIEW_CONTEXT)]
+            ui.messages.pop(row_id, None)
         else:
-            if ui.memories.pop(row_id, None) is None:
-                return
-            vids = [_vid(kind, row_id)]
-        ui.index.remove_ids(np.asarray(vids, dtype=np.int64))
-        ui.dirty += 1
+            ui.memories.pop(row_id, None)
+        vids = ui.release(kind, row_id)
+        if vids:
+            ui.index.remove_ids(np.asarray(vids, dtype=np.int64))
+            ui.dirty += 1
 
     def drop(self, tenant_id: str, user_id: str) -> None:
         with self._lock(tenant_id, user_id):
             self._indexes.pop((tenant_id, user_id), None)
-            for p in self._paths(tenant_id, user_id):
+            index_path, meta_path = self._paths(tenant_id, user_id)
+            for p in (index_path, meta_path, meta_path.with_suffix(".npz")):
                 p.unlink(missing_ok=True)
 
     def drop_tenant(self, tenant_id: str) -> None:
@@ -407,7 +436,10 @@ class Recall:
         for sim, vid in zip(sims, vids, strict=True):
             if vid < 0:
                 continue
-            kind, row_id, chunk, view = _unvid(int(vid))
+            piece = ui.pieces.get(int(vid))
+            if piece is None:
+                continue
+            kind, row_id, chunk, view = piece
             if kind == _MESSAGE and (row_id in exclude or not lo <= ui.times.get(row_id, lo) <= hi):
                 continue
             name = "facts" if kind == _MEMORY else ("context" if view == _VIEW_CONTEXT else "dense")
@@ -483,10 +515,8 @@ class Recall:
         chunk = min(c.chunk, len(pieces) - 1)
         sim = c.similarity
         if "dense" not in c.ranks and qvec is not None:  # found otherwise: its cosine, for the record
-            try:
-                sim = float(ui.index.reconstruct(_vid(_MESSAGE, msg.id, chunk)) @ qvec[0])
-            except RuntimeError:
-                sim = 0.0
+            vid = ui.vid_of((_MESSAGE, msg.id, chunk, _VIEW_TEXT))
+            sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
         return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
                    0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name)
 

@@ -44,6 +44,7 @@ _SIMPLE = {"yesterday": (-1, 1), "today": (0, 1), "tonight": (0, 1), "the day be
            "recently": (-21, 22), "lately": (-21, 22)}
 # 'may' is a month and a verb: as a month it needs a preposition, a day or a year next to it
 _MAY_VERB = re.compile(r"\bmay\b(?!\s*(?:\d|,?\s*(?:19|20)\d{2}))", re.I)
+_AFTER_PREP = re.compile(r"\b(?:in|of|during|since|by|until|from|through)\s+$", re.I)
 _MAY_MONTH = re.compile(r"\b(?:in|of|during|since|early|mid|late|by|until|end\s+of|beginning\s+of)\s+may\b", re.I)
 
 
@@ -133,10 +134,11 @@ def parse_time(text: str, now: datetime) -> TimeWindow | None:
         return TimeWindow(day, day + timedelta(days=1), m.group(0))
     for m in _MONTH_YEAR.finditer(text):
         name = m.group(2).lower()
-        if name in ("may",) and not (m.group(3) or m.group(1) or _MAY_MONTH.search(low)):
+        if name == "may" and not (m.group(3) or m.group(1) or _MAY_MONTH.search(low)):
             continue  # "may" the verb
-        if len(name) == 3 and name not in ("may",) and not m.group(0)[0].isupper() and not m.group(3):
-            continue  # "mar", "dec" in lower case: a word, not a month
+        written = m.group(2)
+        if written.islower() and not (m.group(3) or m.group(1) or _AFTER_PREP.search(text[:m.start(2)])):
+            continue  # "march on", "the mar": in lower case with no date around it, a word
         month = _MONTHS[name.rstrip(".")]
         year = int(m.group(3)) if m.group(3) else today.year - (month > today.month)
         return TimeWindow(*_month_span(year, month, m.group(1)), m.group(0).strip())
