@@ -37,7 +37,7 @@ class Base(DeclarativeBase):
     pass
 
 
-# Full-text search objects that migration 0003 creates and the database maintains itself
+# Full-text search objects that migration 0006 creates and the database maintains itself
 # (tiers/lexical.py): no ORM model maps them, so schema comparisons leave them out.
 FULLTEXT_OBJECTS = ("message_fts", "memory_fts", "search_tsv", "ix_messages_search_tsv", "ix_memories_search_tsv")
 
