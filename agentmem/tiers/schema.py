@@ -12,8 +12,21 @@ from datetime import UTC, datetime
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-ID = String(64)
-NAME = String(200)
+from .records import InvalidInput
+from .sizes import (
+    ID_CHARS,
+    KIND_CHARS,
+    LABEL_CHARS,
+    MAX_TIME,
+    MIN_TIME,
+    NAME_CHARS,
+    ROLE_CHARS,
+    SESSION_ID_CHARS,
+)
+
+ID = String(ID_CHARS)
+NAME = String(NAME_CHARS)
+SESSION_ID = String(SESSION_ID_CHARS)
 
 
 def utcnow() -> datetime:
@@ -21,12 +34,17 @@ def utcnow() -> datetime:
 
 
 def to_db_time(t: datetime | None) -> datetime | None:
-    """Aware -> naive UTC; naive is taken as UTC already."""
+    """Aware -> naive UTC; naive is taken as UTC already. A time whose UTC form falls outside
+    `MIN_TIME`..`MAX_TIME` is refused (year 1 at +05:00 is in year 0 in UTC)."""
     if t is None:
         return None
-    if t.tzinfo is not None:
-        t = t.astimezone(UTC).replace(tzinfo=None)
-    return t
+    try:
+        aware = t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+        if not MIN_TIME <= aware <= MAX_TIME:
+            raise OverflowError
+        return aware.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:
+        raise InvalidInput(f"time {t.isoformat()} is outside {MIN_TIME.date()}..{MAX_TIME.date()} (UTC)") from None
 
 
 def from_db_time(t: datetime | None) -> datetime | None:
@@ -42,6 +60,15 @@ class TenantRow(Base):
     id: Mapped[str] = mapped_column(ID, primary_key=True)
     name: Mapped[str] = mapped_column(NAME)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class DeletedTenantRow(Base):
+    """A deleted tenant's id, kept so that nothing (a write racing the deletion, background
+    reflection, a stale key cache) can recreate it through `ensure_tenant`."""
+
+    __tablename__ = "deleted_tenants"
+    id: Mapped[str] = mapped_column(ID, primary_key=True)
+    deleted_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class ApiKeyRow(Base):
@@ -73,7 +100,7 @@ class AgentRow(Base):
 
 class SessionRow(Base):
     __tablename__ = "sessions"
-    id: Mapped[str] = mapped_column(ID, primary_key=True)
+    id: Mapped[str] = mapped_column(SESSION_ID, primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
     agent_id: Mapped[str] = mapped_column(NAME, default="default")
@@ -86,8 +113,8 @@ class MessageRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
-    session_id: Mapped[str] = mapped_column(ID)
-    role: Mapped[str] = mapped_column(String(16))
+    session_id: Mapped[str] = mapped_column(SESSION_ID)
+    role: Mapped[str] = mapped_column(String(ROLE_CHARS))
     text: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     event_time: Mapped[datetime | None] = mapped_column(nullable=True)
@@ -105,7 +132,7 @@ class MemoryRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
-    kind: Mapped[str] = mapped_column(String(32), default="fact")
+    kind: Mapped[str] = mapped_column(String(KIND_CHARS), default="fact")
     text: Mapped[str] = mapped_column(Text)
     compressed_text: Mapped[str | None] = mapped_column(Text, nullable=True)
     importance: Mapped[float] = mapped_column(Float, default=0.5)
@@ -125,7 +152,7 @@ class SummaryRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
-    session_id: Mapped[str] = mapped_column(ID, index=True)
+    session_id: Mapped[str] = mapped_column(SESSION_ID, index=True)
     text: Mapped[str] = mapped_column(Text)
     upto_message_id: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -135,7 +162,7 @@ class CoreBlockRow(Base):
     __tablename__ = "core_blocks"
     tenant_id: Mapped[str] = mapped_column(ID, primary_key=True)
     user_id: Mapped[str] = mapped_column(NAME, primary_key=True)
-    label: Mapped[str] = mapped_column(String(64), primary_key=True)
+    label: Mapped[str] = mapped_column(String(LABEL_CHARS), primary_key=True)
     value: Mapped[str] = mapped_column(Text, default="")
     char_limit: Mapped[int] = mapped_column(Integer, default=2000)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -146,7 +173,7 @@ class CoreBlockEditRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
-    label: Mapped[str] = mapped_column(String(64))
+    label: Mapped[str] = mapped_column(String(LABEL_CHARS))
     old_value: Mapped[str] = mapped_column(Text)
     new_value: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -160,7 +187,7 @@ class TurnRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
-    session_id: Mapped[str] = mapped_column(ID)
+    session_id: Mapped[str] = mapped_column(SESSION_ID)
     trace: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (Index("ix_turns_scope", "tenant_id", "user_id", "session_id"),)

@@ -1,0 +1,224 @@
+"""The service under hostile and careless tenants (issue 18), against a real server: input
+that used to answer 500 answers 4xx or 200 and leaves nothing behind, every error is JSON and
+counted, deletion is final, authentication is bounded and rate limited."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import httpx
+import pytest
+
+from agentmem.api import Limits, create_app, create_tenant_with_key
+from agentmem.api.auth import KeyCache
+from agentmem.api.local import LocalServer
+from agentmem.tiers.records import NotFound
+from agentmem.tiers.store import MemoryStore
+
+EXTREME_TIMES = ("0001-01-01T00:00:00+05:00", "9999-12-31T23:59:59-05:00")
+
+
+def _serve(engine, embedder, data, db_url=None, **limits):
+    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": db_url, "kv_disk_dir": data / "chunks"})
+    store = MemoryStore(cfg, embedder=embedder)
+    keys = {name: create_tenant_with_key(store, name) for name in ("acme", "globex")}
+    lim = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=16, **({"rate_per_minute": 0} | limits))
+    return store, keys, LocalServer(create_app(cfg, engine=engine, store=store, limits=lim, ui=False))
+
+
+@pytest.fixture(scope="module")
+def svc(engine, embedder, tmp_path_factory):
+    store, keys, server = _serve(engine, embedder, tmp_path_factory.mktemp("tenants"))
+    with server:
+        yield server, keys, store
+    store.close()
+
+
+def _client(svc, tenant="acme") -> httpx.Client:
+    server, keys, _ = svc
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {keys[tenant][1]}"}, timeout=120)
+
+
+def _users(store, keys, tenant="acme") -> set[str]:
+    return {u.id for u in store.list_users(keys[tenant][0])}
+
+
+def test_every_openai_role_is_served(svc):
+    """`developer` is what current OpenAI SDKs send instead of `system`; tool results come as
+    `tool` (or the legacy `function`): all answer 200, plain and streamed."""
+    c = _client(svc)
+    for role in ("developer", "tool", "function"):
+        msgs = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        with c.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "stream": True}) as s:
+            assert s.status_code == 200 and "[DONE]" in s.read().decode()
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 422 and "developer" in r.text  # the refusal names the roles
+
+
+def test_bad_text_times_and_numbers_are_4xx_and_store_nothing(svc):
+    server, keys, store = svc
+    c = _client(svc)
+    lone = json.dumps({"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2})
+    r = c.post("/v1/chat/completions", content=lone, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_text"
+    r = c.post("/v1/users/surr/messages", content=lone.replace('"max_tokens": 2', '"session_id": "s"'),
+               headers={"Content-Type": "application/json"})
+    assert r.status_code == 422  # pydantic refuses a lone surrogate in a plain string field
+    for t in EXTREME_TIMES:
+        r = c.post("/v1/users/timey/memories", json={"text": "a fact", "event_time": t})
+        assert r.status_code == 422 and "outside" in r.text, r.text
+        r = c.post("/v1/users/timey/messages", json={"messages": [{"role": "user", "content": "x", "event_time": t}]})
+        assert r.status_code == 422
+        doc = {"version": 1, "messages": [{"id": 1, "session_id": "s", "role": "user", "text": "ok"},
+                                          {"id": 2, "session_id": "s", "role": "user", "text": "x", "event_time": t}]}
+        r = c.post("/v1/users/timey/import", json=doc)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_export"
+    big = b'{"version": 1, "messages": [{"id": 1e400, "session_id": "s", "role": "user", "text": "x"}]}'
+    r = c.post("/v1/users/timey/import", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "integer" in r.json()["error"]["message"]
+    r = c.post("/v1/users/timey/import", json={"version": 1, "memories": [{"id": 1, "text": "x", "kind": "k" * 33}]})
+    assert r.status_code == 400
+    r = c.post("/v1/users/timey/import", json={"version": 1, "core_blocks": [{"label": "a", "value": "", "limit": -1}]})
+    assert r.status_code == 400
+    assert not {"surr", "timey"} & _users(store, keys)  # no failed request created its user
+
+
+def test_failing_import_leaves_nothing_and_a_retry_duplicates_nothing(svc):
+    _, keys, store = svc
+    c = _client(svc)
+    msgs = [{"id": i, "session_id": f"s{i % 2}", "role": "user", "text": f"message {i}"} for i in range(6)]
+    mems = [{"id": 1, "text": "Ann keeps bees.", "source_ids": [0]},
+            {"id": 2, "text": "Ann moved.", "status": "superseded", "superseded_by": 3},
+            {"id": 3, "text": "Ann lives in Oslo."}]
+    bad = {"version": 1, "messages": msgs, "memories": [*mems, {"id": 4, "text": ""}]}
+    assert c.post("/v1/users/ann/import", json=bad).status_code == 400
+    assert "ann" not in _users(store, keys)
+    long = {"version": 1, "messages": [{"id": 1, "session_id": "s", "role": "user", "text": "y" * 4001}]}
+    r = c.post("/v1/users/ann/import", json=long)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "message_too_long"  # the live limit
+    good = {"version": 1, "messages": msgs, "memories": mems}
+    assert c.post("/v1/users/ann/import", json=good).json() == {"messages": 6, "memories": 3, "core_blocks": 0}
+    tid = keys["acme"][0]
+    assert len(store.archive.messages(tid, "ann")) == 6 and len(store.list_sessions(tid, "ann")) == 2
+    old = {m.text: m for m in store.list_memories(tid, "ann")}
+    assert old["Ann moved."].superseded_by == old["Ann lives in Oslo."].id
+
+
+def test_context_preview_stores_no_session(svc):
+    _, keys, store = svc
+    c = _client(svc)
+    assert c.post("/v1/users/cleo/memories", json={"text": "Cleo plays chess."}).status_code == 201
+    r = c.post("/v1/users/cleo/context", json={"query": "What does Cleo play?"})
+    assert r.status_code == 200 and "chess" in json.dumps(r.json())
+    assert store.list_sessions(keys["acme"][0], "cleo") == []
+
+
+def test_a_crash_is_a_json_500_that_closes_and_is_counted(svc):
+    server, keys, store = svc
+    c = _client(svc)
+    original = store.archive.core_blocks
+    store.archive.core_blocks = lambda *a: 1 / 0
+    try:
+        c.post("/v1/users/zed/memories", json={"text": "z"})
+        r = c.get("/v1/users/zed/core")
+    finally:
+        store.archive.core_blocks = original
+    assert r.status_code == 500 and r.headers["connection"] == "close"
+    assert r.json()["error"]["code"] == "internal_error"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'route="/v1/users/{user_id}/core",status="500"' in metrics
+
+
+def test_oversize_bodies_are_413_chunked_or_not_and_counted(svc):
+    server, _, _ = svc
+    c = _client(svc)
+
+    def chunks():
+        for _ in range(70):
+            yield b"x" * 1000
+
+    for body in (b"x" * 70_000, chunks()):
+        r = c.post("/v1/users/big/memories", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert 'status="413"' in httpx.get(server.url + "/metrics").text
+
+
+def test_deleted_tenant_is_final_in_every_process(engine, embedder, tmp_path):
+    """The CLI (another process: here another store on the same database) deletes a tenant
+    while the server's key cache holds its key: the next write fails at once and nothing
+    recreates the tenant; nor does background work recreate a deleted user."""
+    store, keys, server = _serve(engine, embedder, tmp_path)
+    with server:
+        tid, key = keys["acme"]
+        c = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert c.post("/v1/users/u/memories", json={"text": "before"}).status_code == 201
+        assert c.get("/v1/users").status_code == 200  # the key is cached now
+        other = MemoryStore(store.config, embedder=embedder)
+        other.delete_tenant(tid)
+        other.close()
+        r = c.post("/v1/users/u/memories", json={"text": "after"})
+        assert r.status_code == 401
+        assert tid not in {t.id for t in store.list_tenants()}
+        with pytest.raises(NotFound):
+            store.ensure_tenant(tid)
+        with pytest.raises(NotFound):
+            store.add_memory(tid, "u", "resurrected?")
+        g = keys["globex"][0]
+        store.add_memory(g, "gone", "x")
+        store.delete_user(g, "gone")
+        with pytest.raises(NotFound):  # what reflection does after the user's deletion
+            store.add_memory(g, "gone", "a reflected fact", create_user=False)
+        with pytest.raises(NotFound):
+            store.set_core_block(g, "gone", "human", "v", create_user=False)
+        assert "gone" not in _users(store, keys, "globex")
+    store.close()
+
+
+def test_key_cache_is_bounded_and_failed_auth_is_limited(engine, embedder, tmp_path):
+    cache = KeyCache(lambda h: None, max_entries=1000, ttl_s=60)
+    for _ in range(100_000):
+        assert cache.get(secrets.token_hex(32)) is None
+    assert len(cache) == 1000
+    store, keys, server = _serve(engine, embedder, tmp_path)
+    with server:
+        anon = httpx.Client(base_url=server.url, timeout=30)
+        codes = [anon.get("/v1/users", headers={"Authorization": f"Bearer am-{i}"}).status_code for i in range(32)]
+        assert codes[:30] == [401] * 30 and codes[30:] == [429, 429]
+        assert len(server._server.config.app.state.services.keys) <= 32
+        good = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {keys['acme'][1]}"})
+        assert good.get("/v1/users").status_code == 429  # the address, not the key, is limited
+        r = httpx.get(server.url + f"/v1/users?api_key={keys['acme'][1]}",
+                      headers={"Authorization": f"Bearer {keys['acme'][1]}"})
+        assert r.status_code == 400  # refused before anything else
+    store.close()
+
+
+def test_api_key_in_the_url_is_refused(svc):
+    server, keys, _ = svc
+    r = httpx.get(server.url + f"/v1/users?api_key={keys['acme'][1]}",
+                  headers={"Authorization": f"Bearer {keys['acme'][1]}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "key_in_url"
+
+
+def test_postgresql_takes_what_the_api_allows(engine, embedder, pg_url, tmp_path):
+    """On PostgreSQL (which enforces column sizes) a 128-character session id is stored and a
+    33-character kind is a 4xx, through every write path."""
+    store, keys, server = _serve(engine, embedder, tmp_path, db_url=pg_url)
+    with server:
+        c = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {keys['acme'][1]}"}, timeout=60)
+        sid = "s" * 128
+        r = c.post("/v1/users/p/messages", json={"session_id": sid, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 201 and r.json()["session_id"] == sid
+        assert c.get(f"/v1/users/p/sessions/{sid}/messages").json()["data"][0]["text"] == "hi"
+        r = c.post("/v1/users/p/chat", json={})  # unknown route: JSON 404
+        assert r.status_code == 404 and "error" in r.json()
+        assert c.post("/v1/users/p/memories", json={"text": "x", "kind": "k" * 33}).status_code == 422
+        r = c.post("/v1/users/q/import", json={"version": 1, "memories": [{"id": 1, "text": "x", "kind": "k" * 33}]})
+        assert r.status_code == 400
+        for t in EXTREME_TIMES:
+            assert c.post("/v1/users/q/memories", json={"text": "x", "event_time": t}).status_code == 422
+        assert "q" not in _users(store, keys)
+    store.close()
