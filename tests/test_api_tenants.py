@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import secrets
+from datetime import datetime
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from agentmem.api import Limits, create_app, create_tenant_with_key
 from agentmem.api.auth import KeyCache
@@ -222,3 +224,74 @@ def test_postgresql_takes_what_the_api_allows(engine, embedder, pg_url, tmp_path
             assert c.post("/v1/users/q/memories", json={"text": "x", "event_time": t}).status_code == 422
         assert "q" not in _users(store, keys)
     store.close()
+
+
+def test_equal_client_ids_in_two_tenants_are_separate(svc):
+    """A's `support-1` and B's `support-1` are two sessions; neither request learns of the
+    other (no 404 "exists in another tenant")."""
+    a, b = _client(svc), _client(svc, "globex")
+    for c, words in ((a, "acme's words"), (b, "globex's words")):
+        r = c.post("/v1/users/sam/messages", json={"session_id": "support-1",
+                                                   "messages": [{"role": "user", "content": words}]})
+        assert r.status_code == 201 and r.json()["session_id"] == "support-1"
+    for c, words in ((a, "acme's words"), (b, "globex's words")):
+        texts = [m["text"] for m in c.get("/v1/users/sam/sessions/support-1/messages").json()["data"]]
+        assert texts == [words]
+        assert [s["id"] for s in c.get("/v1/users/sam/sessions").json()["data"]] == ["support-1"]
+
+
+def test_server_ids_are_never_reused_and_hide_counts(svc):
+    _, keys, store = svc
+    tid = keys["acme"][0]
+    ids = [store.add_memory(tid, "ida", f"fact {i}").id for i in range(40)]
+    assert ids == sorted(ids) and len(set(ids)) == 40 and max(ids) < 2**53
+    assert {b - a for a, b in zip(ids, ids[1:], strict=False)} != {1}  # not a visible counter
+    low = [i & 4095 for i in ids]
+    assert sorted(low) != list(range(min(low), min(low) + 40))
+    store.delete_memory(tid, "ida", ids[-1])
+    again = store.add_memory(tid, "ida", "after the delete").id
+    assert again > ids[-1]  # SQLite used to hand out the deleted row's id again
+
+
+def _old_store(url: str) -> None:
+    """A store at revision 0003 (global session ids, autoincrement row ids) with data in it."""
+    from agentmem.tiers.archive import migrate
+
+    engine = sa.create_engine(url)
+    with engine.begin() as c:
+        migrate(c, "0003")
+        now = datetime(2026, 1, 1)
+        c.execute(sa.text("insert into tenants (id, name, created_at) values ('t', 't', :n)"), {"n": now})
+        c.execute(sa.text("insert into users (tenant_id, id, created_at) values ('t', 'u', :n)"), {"n": now})
+        c.execute(sa.text("insert into sessions (id, tenant_id, user_id, agent_id, created_at) "
+                          "values ('support-1', 't', 'u', 'default', :n)"), {"n": now})
+        for text in ("first", "second"):
+            c.execute(sa.text("insert into messages (tenant_id, user_id, session_id, role, text, created_at) "
+                              "values ('t', 'u', 'support-1', 'user', :t, :n)"), {"t": text, "n": now})
+        c.execute(sa.text("insert into memories (tenant_id, user_id, kind, text, importance, status, source_ids, "
+                          "created_at, updated_at) values ('t', 'u', 'fact', 'old fact', 0.5, 'active', '[1]', :n, :n)"),
+                  {"n": now})
+    engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_migration_keeps_data_and_old_ids(backend, tmp_path, embedder, request):
+    from agentmem.config import Config
+
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else f"sqlite:///{tmp_path / 'old.db'}"
+    _old_store(url)
+    store = MemoryStore(Config(data_dir=tmp_path, db_url=url), embedder=embedder)
+    try:
+        assert [m.text for m in store.session_messages("t", "u", "support-1")] == ["first", "second"]
+        old = store.get_memory("t", "u", 1)
+        assert old.text == "old fact" and old.source_ids == [1]
+        store.add_messages("t", "u", "support-1", [{"role": "user", "content": "third"}])
+        msgs = store.session_messages("t", "u", "support-1")
+        assert [m.text for m in msgs] == ["first", "second", "third"] and msgs[-1].id > 2**40
+        store.ensure_tenant("t2")
+        assert store.open_session("t2", "u", "support-1").message_count == 0  # now per tenant
+        new = store.add_memory("t", "u", "new fact")
+        store.supersede("t", "u", 1, new.id)
+        assert store.get_memory("t", "u", 1).superseded_by == new.id
+    finally:
+        store.close()

@@ -54,10 +54,12 @@ def test_other_tenants_ids_look_missing(store):
             call()
     assert store.search(b, "u", "dog") == []
     sid = store.open_session(a, "u").id
+    store.add_messages(a, "u", sid, [{"role": "user", "content": "a's words"}])
     with pytest.raises(NotFound):
         store.session_messages(b, "u", sid)
-    with pytest.raises(NotFound):
-        store.open_session(b, "u", sid)
+    # session ids are per tenant and user: b gets a session of its own under the same id
+    assert store.open_session(b, "u", sid).message_count == 0
+    assert store.session_messages(b, "u", sid) == [] and len(store.session_messages(a, "u", sid)) == 1
 
 
 def test_memory_lifecycle_and_supersede(store):

@@ -20,6 +20,7 @@ from sqlalchemy import create_engine, delete, event, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from . import ids as row_ids
 from . import records as R
 from .records import InvalidInput, NotFound
 from .schema import (
@@ -30,6 +31,7 @@ from .schema import (
     DeletedTenantRow,
     MemoryRow,
     MessageRow,
+    RowIdSecretRow,
     SessionRow,
     SummaryRow,
     TenantRow,
@@ -118,6 +120,10 @@ class Archive:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("select pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             migrate(conn)
+        with self.engine.connect() as conn:
+            secret = conn.execute(select(RowIdSecretRow.secret).where(RowIdSecretRow.id == 1)).scalar_one()
+            floor = max(conn.scalar(select(func.coalesce(func.max(t.id), 0))) for t in (MessageRow, MemoryRow, TurnRow))
+        row_ids.register(self.engine, row_ids.IdMaker(bytes(secret), int(floor)))
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._current: ContextVar[Session | None] = ContextVar(f"archive_tx_{id(self)}", default=None)
 
@@ -228,10 +234,8 @@ class Archive:
         with self.tx() as s:
             self._user_in(s, tenant_id, user_id)
             if session_id is not None:
-                row = s.get(SessionRow, session_id)
+                row = s.get(SessionRow, (tenant_id, user_id, session_id))
                 if row is not None:
-                    if (row.tenant_id, row.user_id) != (tenant_id, user_id):
-                        raise NotFound(f"session {session_id!r} not found")
                     return self._session_info(s, row)
             row = SessionRow(id=session_id or uuid.uuid4().hex, tenant_id=tenant_id,
                              user_id=user_id, agent_id=agent_id)
@@ -246,12 +250,12 @@ class Archive:
             return [self._session_info(s, r) for r in rows]
 
     def _session_info(self, s: Session, row: SessionRow) -> R.SessionInfo:
-        n = s.scalar(select(func.count()).select_from(MessageRow).where(MessageRow.session_id == row.id))
+        n = s.scalar(select(func.count()).select_from(MessageRow).where(
+            MessageRow.tenant_id == row.tenant_id, MessageRow.user_id == row.user_id, MessageRow.session_id == row.id))
         return R.SessionInfo(row.id, row.user_id, row.agent_id, from_db_time(row.created_at), int(n or 0))
 
     def _check_session(self, s: Session, tenant_id: str, user_id: str, session_id: str) -> None:
-        row = s.get(SessionRow, session_id)
-        if row is None or (row.tenant_id, row.user_id) != (tenant_id, user_id):
+        if s.get(SessionRow, (tenant_id, user_id, session_id)) is None:
             raise NotFound(f"session {session_id!r} not found")
 
     # --- messages ----------------------------------------------------------------------------

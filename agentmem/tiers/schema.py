@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from . import ids as row_ids
 from .records import InvalidInput
 from .sizes import (
     ID_CHARS,
@@ -27,6 +28,7 @@ from .sizes import (
 ID = String(ID_CHARS)
 NAME = String(NAME_CHARS)
 SESSION_ID = String(SESSION_ID_CHARS)
+ROW_ID = BigInteger().with_variant(Integer(), "sqlite")  # SQLite: INTEGER PRIMARY KEY is the 64-bit rowid
 
 
 def utcnow() -> datetime:
@@ -53,6 +55,28 @@ def from_db_time(t: datetime | None) -> datetime | None:
 
 class Base(DeclarativeBase):
     pass
+
+
+def new_row_id(context) -> int:
+    """The id of a new message, memory or turn (tiers/ids.py), made on the inserting
+    connection so that the database's counter advances inside the same transaction."""
+    return row_ids.maker(context.connection.engine).make(row_ids.next_counter(context.connection))
+
+
+class RowIdSecretRow(Base):
+    """The key of the row-id permutation, made once per database (every replica shares it)."""
+
+    __tablename__ = "row_id_secret"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    secret: Mapped[bytes] = mapped_column(LargeBinary(32))
+
+
+class RowIdCounterRow(Base):
+    """SQLite's row-id counter (PostgreSQL uses the sequence `row_id_seq` instead)."""
+
+    __tablename__ = "row_id_counter"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    n: Mapped[int] = mapped_column(BigInteger)
 
 
 class TenantRow(Base):
@@ -99,10 +123,13 @@ class AgentRow(Base):
 
 
 class SessionRow(Base):
+    """Session ids are the client's to choose, so they are scoped by tenant and user: two
+    tenants may both have a `support-1`, and neither can learn of the other's."""
+
     __tablename__ = "sessions"
+    tenant_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    user_id: Mapped[str] = mapped_column(NAME, primary_key=True)
     id: Mapped[str] = mapped_column(SESSION_ID, primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ID)
-    user_id: Mapped[str] = mapped_column(NAME)
     agent_id: Mapped[str] = mapped_column(NAME, default="default")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (Index("ix_sessions_scope", "tenant_id", "user_id"),)
@@ -110,7 +137,7 @@ class SessionRow(Base):
 
 class MessageRow(Base):
     __tablename__ = "messages"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ROW_ID, primary_key=True, autoincrement=False, default=new_row_id)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
     session_id: Mapped[str] = mapped_column(SESSION_ID)
@@ -129,7 +156,7 @@ class MemoryRow(Base):
     """A fact or insight about the user (written by reflection or by hand)."""
 
     __tablename__ = "memories"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ROW_ID, primary_key=True, autoincrement=False, default=new_row_id)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
     kind: Mapped[str] = mapped_column(String(KIND_CHARS), default="fact")
@@ -137,7 +164,7 @@ class MemoryRow(Base):
     compressed_text: Mapped[str | None] = mapped_column(Text, nullable=True)
     importance: Mapped[float] = mapped_column(Float, default=0.5)
     status: Mapped[str] = mapped_column(String(16), default="active")
-    superseded_by: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    superseded_by: Mapped[int | None] = mapped_column(ROW_ID, nullable=True)
     source_ids: Mapped[list] = mapped_column(JSON, default=list)
     event_time: Mapped[datetime | None] = mapped_column(nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -154,7 +181,7 @@ class SummaryRow(Base):
     user_id: Mapped[str] = mapped_column(NAME)
     session_id: Mapped[str] = mapped_column(SESSION_ID, index=True)
     text: Mapped[str] = mapped_column(Text)
-    upto_message_id: Mapped[int] = mapped_column(Integer)
+    upto_message_id: Mapped[int] = mapped_column(ROW_ID)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -184,7 +211,7 @@ class TurnRow(Base):
     """Trace of one turn: what went into the prompt, KV per segment, timings."""
 
     __tablename__ = "turns"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ROW_ID, primary_key=True, autoincrement=False, default=new_row_id)
     tenant_id: Mapped[str] = mapped_column(ID)
     user_id: Mapped[str] = mapped_column(NAME)
     session_id: Mapped[str] = mapped_column(SESSION_ID)
