@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from datetime import datetime
 
 import httpx
@@ -25,7 +26,8 @@ def _serve(engine, embedder, data, db_url=None, **limits):
     cfg = engine.config.model_copy(update={"data_dir": data, "db_url": db_url, "kv_disk_dir": data / "chunks"})
     store = MemoryStore(cfg, embedder=embedder)
     keys = {name: create_tenant_with_key(store, name) for name in ("acme", "globex")}
-    lim = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=16, **({"rate_per_minute": 0} | limits))
+    lim = Limits(**({"max_body_bytes": 64_000, "max_message_chars": 4000, "max_tokens": 16, "rate_per_minute": 0}
+                    | limits))
     return store, keys, LocalServer(create_app(cfg, engine=engine, store=store, limits=lim, ui=False))
 
 
@@ -295,3 +297,121 @@ def test_migration_keeps_data_and_old_ids(backend, tmp_path, embedder, request):
         assert store.get_memory("t", "u", 1).superseded_by == new.id
     finally:
         store.close()
+
+
+SECRET = "Quixotic-Zebra-7731 keeps the spare key under the blue flowerpot"
+
+
+def test_forget_leaves_no_text_in_the_data_dir(engine, embedder, tmp_path):
+    """Everything a user said, through every write path, then DELETE: no file under the
+    data dir (database, WAL, recall index, chunk KV) holds any of it; files are private."""
+    import stat
+
+    store, keys, server = _serve(engine, embedder, tmp_path)
+    with server:
+        c = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {keys['acme'][1]}"}, timeout=120)
+        other = "Someone else entirely likes plain toast"
+        assert c.post("/v1/users/keep/memories", json={"text": other}).status_code == 201
+        assert c.post("/v1/users/vic/messages", json={"messages": [{"role": "user", "content": SECRET}]}).status_code \
+            == 201
+        assert c.post("/v1/users/vic/memories", json={"text": SECRET + " (memory)"}).status_code == 201
+        assert c.put("/v1/users/vic/core/human", json={"value": SECRET}).status_code == 200
+        assert c.put("/v1/users/vic/core/human", json={"value": "edited"}).status_code == 200
+        r = c.post("/v1/chat/completions", json={"user": "vic", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": SECRET + "?"}]})
+        assert r.status_code == 200
+        assert c.post("/v1/users/vic/search", json={"query": "flowerpot"}).status_code == 200
+
+        def found(needle: bytes) -> list[str]:
+            return [str(p) for p in tmp_path.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+        assert found(b"Quixotic-Zebra-7731") and found(b"plain toast")  # the scan can see text
+        assert c.delete("/v1/users/vic").status_code == 200
+        for needle in (b"Quixotic", b"quixot", b"flowerpot", b"Zebra-7731"):
+            assert found(needle) == [], needle
+        assert found(b"plain toast")  # the other user's words are still there
+    store.close()
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+    for name in ("agentmem.db", "agentmem.db-wal"):
+        p = tmp_path / name
+        assert not p.exists() or stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_operator_endpoints_need_the_operator_key(engine, embedder, tmp_path):
+    cfg = engine.config.model_copy(update={"data_dir": tmp_path, "db_url": None, "operator_key": "op-secret"})
+    store = MemoryStore(cfg, embedder=embedder)
+    with LocalServer(create_app(cfg, engine=engine, store=store, ui=False)) as server:
+        for path in ("/metrics", "/docs", "/openapi.json"):
+            assert httpx.get(server.url + path).status_code == 404
+            assert httpx.get(server.url + path, headers={"Authorization": "Bearer nope"}).status_code == 404
+            assert httpx.get(server.url + path, headers={"Authorization": "Bearer op-secret"}).status_code == 200
+        assert httpx.get(server.url + "/healthz").status_code == 200
+    store.close()
+
+
+def test_access_log_has_no_query_string_and_db_sync_full(tmp_path):
+    import logging
+
+    from agentmem.api.logs import NoQuery, log_config
+    from agentmem.tiers.archive import Archive
+
+    rec = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                            ("1.2.3.4:5", "GET", "/v1/users?api_key=am-secret", "1.1", 400), None)
+    assert NoQuery().filter(rec) and "am-secret" not in rec.getMessage() and "/v1/users" in rec.getMessage()
+    assert log_config()["handlers"]["access"]["filters"] == ["no_query"]
+    a = Archive(f"sqlite:///{tmp_path / 'full.db'}", sync="full")
+    with a.engine.connect() as c:
+        assert c.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+        assert c.exec_driver_sql("PRAGMA secure_delete").scalar() == 1
+    a.close()
+
+
+def test_idempotency_key_makes_post_retries_safe(svc):
+    _, keys, store = svc
+    c = _client(svc)
+    tid = keys["acme"][0]
+    body = {"session_id": "idem", "messages": [{"role": "user", "content": "only once"}]}
+    first = c.post("/v1/users/ivy/messages", json=body, headers={"Idempotency-Key": "k-1"})
+    again = c.post("/v1/users/ivy/messages", json=body, headers={"Idempotency-Key": "k-1"})
+    assert first.status_code == again.status_code == 201 and first.content == again.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert len(store.session_messages(tid, "ivy", "idem")) == 1
+    other = c.post("/v1/users/ivy/messages", json={**body, "session_id": "x"}, headers={"Idempotency-Key": "k-1"})
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+    # the same key in another tenant is that tenant's own
+    g = _client(svc, "globex").post("/v1/users/ivy/messages", json=body, headers={"Idempotency-Key": "k-1"})
+    assert g.status_code == 201 and "idempotent-replayed" not in g.headers
+    # a refused request frees its key: the corrected retry runs
+    bad = c.post("/v1/users/ivy/memories", json={"text": ""}, headers={"Idempotency-Key": "k-2"})
+    assert bad.status_code == 422
+    ok = c.post("/v1/users/ivy/memories", json={"text": "fine now"}, headers={"Idempotency-Key": "k-2"})
+    assert ok.status_code == 201
+    doc = {"version": 1, "memories": [{"id": 1, "text": "imported once"}]}
+    for _ in range(2):
+        assert c.post("/v1/users/ivy/import", json=doc, headers={"Idempotency-Key": "k-3"}).status_code == 201
+    assert [m.text for m in store.list_memories(tid, "ivy")].count("imported once") == 1
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True, "user": "ivy"}
+    streams = [c.post("/v1/chat/completions", json=chat, headers={"Idempotency-Key": "k-4"}) for _ in range(2)]
+    assert streams[0].text == streams[1].text and "[DONE]" in streams[1].text
+    assert streams[1].headers["content-type"].startswith("text/event-stream")
+    assert c.delete("/v1/users/ivy").status_code == 200
+    assert c.post("/v1/users/ivy/messages", json=body, headers={"Idempotency-Key": "k-1"}).headers.get(
+        "idempotent-replayed") is None  # forgotten with the user
+
+
+def test_a_plain_request_whose_client_left_stops_generating(engine, embedder, tmp_path):
+    store, keys, server = _serve(engine, embedder, tmp_path, max_tokens=400)
+    with server:
+        c = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {keys['acme'][1]}"}, timeout=1.5)
+        body = {"messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
+                "max_tokens": 400}
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=body)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and 'status="499"' not in httpx.get(server.url + "/metrics").text:
+            time.sleep(0.1)
+        text = httpx.get(server.url + "/metrics").text
+        assert 'route="/v1/chat/completions",status="499"' in text
+        assert "agentmem_queue_length 0.0" in text
+        assert not engine.loop.scheduler.has_work()  # the sequence was cancelled, not left running
+    store.close()

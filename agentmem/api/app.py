@@ -18,10 +18,13 @@ from ..tiers.store import MemoryStore
 from . import errors
 from .auth import KeyCache
 from .chat import ChatService
+from .disconnect import DisconnectWatch
 from .guard import Guard
+from .idempotency import Idempotency
 from .kvcache import chunk_stats, drop_cached_kv
 from .limits import BodyLimit, Limits, RateLimiter
 from .metrics import Metrics
+from .operator import OperatorOnly
 
 KEY_CACHE_SECONDS = 5.0
 KEY_CACHE_ENTRIES = 10_000
@@ -104,7 +107,10 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
         # a pass cut short at shutdown resumes where it stopped (the checkpoint advances per message)
         app.router.on_shutdown.append(lambda: services.reflection.stop(5))
     errors.install(app)
+    app.add_middleware(DisconnectWatch)
+    app.add_middleware(Idempotency, services=services)  # inside the body limit: it reads whole bodies
     app.add_middleware(BodyLimit, limits=services.limits)
+    app.add_middleware(OperatorOnly, operator_key=config.operator_key)
     app.add_middleware(Guard, metrics=services.metrics)  # outermost: counts the body limit's 413s too
 
     @app.get("/healthz", tags=["service"])

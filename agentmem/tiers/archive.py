@@ -9,11 +9,12 @@ to the newest Alembic revision when the archive opens.
 from __future__ import annotations
 
 import fcntl
+import os
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import create_engine, delete, event, func, select, text
@@ -29,6 +30,7 @@ from .schema import (
     CoreBlockEditRow,
     CoreBlockRow,
     DeletedTenantRow,
+    IdempotencyRow,
     MemoryRow,
     MessageRow,
     RowIdSecretRow,
@@ -45,6 +47,8 @@ from .sizes import KIND_CHARS, LABEL_CHARS, MAX_BLOCK_LIMIT, NAME_CHARS, SESSION
 
 ROLES = ("system", "user", "assistant", "tool")
 MEMORY_STATUSES = ("active", "superseded")
+IDEMPOTENCY_TTL = timedelta(days=1)
+IDEMPOTENCY_RUN_TIMEOUT = timedelta(minutes=10)  # a claim older than this was abandoned by a dead process
 DEFAULT_BLOCK_LIMIT = 2000  # characters; MemGPT's default core block size
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_MIGRATION_LOCK = 0x61676D656D  # any constant shared by every agentmem process
@@ -109,13 +113,17 @@ def _migration_lock(engine) -> Iterator[None]:
 
 
 class Archive:
-    def __init__(self, url: str):
+    def __init__(self, url: str, sync: str = "normal"):
+        """`sync`: SQLite's synchronous mode, "normal" or "full" (power-loss durable)."""
+        if sync not in ("normal", "full"):
+            raise ValueError(f"db sync must be 'normal' or 'full', got {sync!r}")
         self.url = url
         sqlite = url.startswith("sqlite")
         self.engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {},
                                     pool_pre_ping=not sqlite)
         if sqlite:
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+            _private_file(self.engine.url.database)
+            event.listen(self.engine, "connect", lambda conn, _: _sqlite_pragmas(conn, sync))
         with _migration_lock(self.engine), self.engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("select pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
@@ -176,10 +184,11 @@ class Archive:
         with self.tx() as s:
             if s.get(TenantRow, tenant_id) is None:
                 raise NotFound(f"tenant {tenant_id!r} not found")
-            for table in (*_USER_TABLES, ApiKeyRow, UserRow):
+            for table in (*_USER_TABLES, IdempotencyRow, ApiKeyRow, UserRow):
                 s.execute(delete(table).where(table.tenant_id == tenant_id))
             s.execute(delete(TenantRow).where(TenantRow.id == tenant_id))
             s.add(DeletedTenantRow(id=tenant_id))
+        self._scrub()
 
     def add_api_key(self, tenant_id: str, key_hash: str, name: str = "") -> None:
         with self.tx() as s:
@@ -190,6 +199,51 @@ class Archive:
     def tenant_for_key_hash(self, key_hash: str) -> str | None:
         with self.tx() as s:
             return s.scalar(select(ApiKeyRow.tenant_id).where(ApiKeyRow.key_hash == key_hash))
+
+    # --- idempotency keys ---------------------------------------------------------------------
+    def claim_idempotency_key(self, tenant_id: str, key: str, fingerprint: str,
+                              user_id: str | None) -> tuple[str, tuple[int, str, bytes] | None]:
+        """("new", None): the caller runs the request and then finishes or releases the key;
+        ("done", (status, content_type, body)): replay that; ("busy", None): the first
+        request still runs; ("mismatch", None): the key belongs to another request."""
+        try:
+            return self._claim(tenant_id, key, fingerprint, user_id)
+        except IntegrityError:  # SQLite: another request claimed it between our read and insert
+            return self._claim(tenant_id, key, fingerprint, user_id)
+
+    def _claim(self, tenant_id: str, key: str, fingerprint: str,
+               user_id: str | None) -> tuple[str, tuple[int, str, bytes] | None]:
+        now = utcnow()
+        with self.tx() as s:
+            row = s.get(IdempotencyRow, (tenant_id, key))
+            stale = row is not None and (now - row.created_at > IDEMPOTENCY_TTL
+                                         or (row.status is None and now - row.created_at > IDEMPOTENCY_RUN_TIMEOUT))
+            if stale:
+                s.delete(row)
+                s.flush()
+                row = None
+            if row is None:
+                claim = IdempotencyRow(tenant_id=tenant_id, key=key, fingerprint=fingerprint,
+                                       user_id=user_id if user_id and len(user_id) <= NAME_CHARS else None)
+                if _add_once(s, claim):
+                    return "new", None
+                row = s.get(IdempotencyRow, (tenant_id, key))
+            if row.fingerprint != fingerprint:
+                return "mismatch", None
+            if row.status is None:
+                return "busy", None
+            return "done", (row.status, row.content_type or "application/json", bytes(row.body or b""))
+
+    def finish_idempotency_key(self, tenant_id: str, key: str, status: int, content_type: str, body: bytes) -> None:
+        with self.tx() as s:
+            row = s.get(IdempotencyRow, (tenant_id, key))
+            if row is not None:
+                row.status, row.content_type, row.body = status, content_type, body
+
+    def release_idempotency_key(self, tenant_id: str, key: str) -> None:
+        with self.tx() as s:
+            s.execute(delete(IdempotencyRow).where(IdempotencyRow.tenant_id == tenant_id, IdempotencyRow.key == key,
+                                                   IdempotencyRow.status.is_(None)))
 
     # --- users and sessions -----------------------------------------------------------------
     def ensure_user(self, tenant_id: str, user_id: str) -> None:
@@ -222,9 +276,23 @@ class Archive:
         with self.tx() as s:
             if s.get(UserRow, (tenant_id, user_id)) is None:
                 raise NotFound(f"user {user_id!r} not found")
-            for table in _USER_TABLES:
+            for table in (*_USER_TABLES, IdempotencyRow):
                 s.execute(delete(table).where(table.tenant_id == tenant_id, table.user_id == user_id))
             s.execute(delete(UserRow).where(UserRow.tenant_id == tenant_id, UserRow.id == user_id))
+        self._scrub()
+
+    def _scrub(self) -> None:
+        """After a deletion, leave no copy of the deleted text in the files: full-text index
+        segments still holding it are merged away, and the WAL (where the rows' last
+        versions live) is checkpointed into the database (whose freed bytes `secure_delete`
+        zeroed) and truncated. PostgreSQL: its own VACUUM reclaims dead tuples."""
+        if self.engine.dialect.name != "sqlite" or self._current.get() is not None:
+            return
+        with self.engine.begin() as conn:
+            if conn.execute(text("select 1 from sqlite_master where name = 'message_fts'")).first():
+                conn.execute(text("insert into message_fts(message_fts) values ('optimize')"))
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def open_session(self, tenant_id: str, user_id: str, session_id: str | None = None,
                      agent_id: str = "default") -> R.SessionInfo:
@@ -375,6 +443,7 @@ class Archive:
     def delete_memory(self, tenant_id: str, user_id: str, memory_id: int) -> None:
         with self.tx() as s:
             s.delete(self._memory_row(s, tenant_id, user_id, memory_id))
+        self._scrub()
 
     def memory_versions(self, tenant_id: str, user_id: str) -> dict[int, datetime]:
         """id -> updated_at of every memory: what the recall index checks its freshness against."""
@@ -479,12 +548,25 @@ class Archive:
             return [R.Turn(r.id, r.session_id, r.trace, from_db_time(r.created_at)) for r in reversed(rows)]
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _sqlite_pragmas(dbapi_conn, sync: str) -> None:
+    """WAL; `secure_delete` zeroes deleted rows' bytes so a forgotten user's words do not
+    stay in free pages (the WAL is checkpointed after each deletion, see `_scrub`)."""
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute(f"PRAGMA synchronous={sync.upper()}")
     cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA secure_delete=ON")
     cur.close()
+
+
+def _private_file(db: str | None) -> None:
+    """Create the SQLite file 0600 before SQLite does (its -wal and -shm files take the
+    database file's mode)."""
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return
+    fd = os.open(db, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    os.chmod(db, 0o600)
 
 
 def _as_time(value, what: str) -> datetime | None:
@@ -523,16 +605,18 @@ def _summary(r: SummaryRow) -> R.Summary:
     return R.Summary(r.id, r.session_id, r.text, r.upto_message_id, from_db_time(r.created_at))
 
 
-def _add_once(s: Session, row) -> None:
+def _add_once(s: Session, row) -> bool:
     """Add a row that a concurrent transaction may be adding too (the first write of a new
-    user from two requests): on PostgreSQL the loser's unique violation is absorbed in a
-    savepoint; SQLite serialises writers, so there is no such race there."""
+    user from two requests); whether this one added it. On PostgreSQL the loser's unique
+    violation is absorbed in a savepoint; SQLite serialises writers, so there is no such
+    race there."""
     if s.bind.dialect.name != "postgresql":
         s.add(row)
         s.flush()
-        return
+        return True
     try:
         with s.begin_nested():
             s.add(row)
     except IntegrityError:
-        pass
+        return False
+    return True

@@ -16,6 +16,7 @@ from . import ids as row_ids
 from .records import InvalidInput
 from .sizes import (
     ID_CHARS,
+    IDEMPOTENCY_KEY_CHARS,
     KIND_CHARS,
     LABEL_CHARS,
     MAX_TIME,
@@ -93,6 +94,21 @@ class DeletedTenantRow(Base):
     __tablename__ = "deleted_tenants"
     id: Mapped[str] = mapped_column(ID, primary_key=True)
     deleted_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class IdempotencyRow(Base):
+    """A POST's Idempotency-Key: claimed (status None) while the first request runs, then
+    its 2xx answer, replayed to retries for a day."""
+
+    __tablename__ = "idempotency_keys"
+    tenant_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    key: Mapped[str] = mapped_column(String(IDEMPOTENCY_KEY_CHARS), primary_key=True)
+    user_id: Mapped[str | None] = mapped_column(NAME, nullable=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    content_type: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    body: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class ApiKeyRow(Base):

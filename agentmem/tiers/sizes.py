@@ -15,6 +15,7 @@ NAME_CHARS = 200  # tenant, agent and user names
 KIND_CHARS = 32  # memory kind
 LABEL_CHARS = 64  # core block label
 ROLE_CHARS = 16
+IDEMPOTENCY_KEY_CHARS = 255
 MAX_BLOCK_LIMIT = 100_000  # characters a core block may be limited to
 
 # a time is stored as naive UTC; these bounds leave room for any UTC offset (+-1 day)

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime
 
-from ..config import Config
+from ..config import Config, private_dir
 from . import records as R
 from .archive import Archive, clean_text
 from .recall import Recall
@@ -27,7 +27,8 @@ ForgetHook = Callable[[str, str | None], None]
 class MemoryStore:
     def __init__(self, config: Config | None = None, embedder=None):
         self.config = config or Config()
-        self.archive = Archive(self.config.resolved_db_url())
+        private_dir(self.config.data_dir)
+        self.archive = Archive(self.config.resolved_db_url(), self.config.db_sync)
         self._embedder = embedder
         self._embedder_lock = threading.Lock()
         url_key = hashlib.sha256(self.archive.url.encode()).hexdigest()[:16]
