@@ -39,6 +39,7 @@ class Config(BaseSettings):
     kv_block_size: int = 16
     kv_pool_tokens: int = 32768  # capacity of the paged KV pool, in tokens
     max_batch: int = 16
+    max_batch_per_tenant: int | None = None  # slots one tenant may hold; default: all but an eighth of max_batch
     prefill_chunk: int = 512  # chunked prefill: tokens per scheduler step
     threads: int | None = None
 
