@@ -291,3 +291,144 @@ def test_an_unsupported_option_fails_at_load_naming_it(tmp_path, cls_name, optio
     with pytest.raises(UnsupportedModel, match=named) as err:
         load(tmp_path)
     assert "supported" in str(err.value)
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # as llama.cpp writes them
+
+
+def llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The row order llama.cpp gives q/k of the llama architecture (interleaved RoPE halves);
+    transformers' GGUF loader undoes it."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(tiny: Tiny, out) -> None:
+    """Write the tiny model as llama.cpp's converter would (f32 tensors, its tensor names and
+    metadata keys, llama3 scaling as a `rope_freqs` tensor, the BPE vocabulary and merges)."""
+    import gguf
+
+    from agentmem.engine.layers import rope_inv_freq
+
+    c = tiny.hf.config
+    model_type = c.model_type
+    arch = GGUF_ARCH[model_type]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"{model_type.capitalize()} tiny test")  # as real files name themselves
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = dict(c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if getattr(c, "sliding_window", None) and model_type == "mistral":
+        w.add_sliding_window(c.sliding_window)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for name, t in tiny.hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = llama_cpp_permute(t, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
+        w.add_tensor(tmap.get_name(name, try_suffixes=(".weight", ".bias")), t.float().contiguous().numpy())
+    if rope["rope_type"] == "llama3":
+        plain = rope_inv_freq(head_dim, rope["rope_theta"])
+        w.add_tensor("rope_freqs.weight", (plain / rope_inv_freq(head_dim, rope["rope_theta"], rope)).float().numpy())
+    tok = tiny.tok
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if i in special else 1 for _, i in vocab])
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) for m in merges])
+    if tok.bos_token_id is not None:
+        w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_chat_template(tok.chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_the_same_model_as_gguf_loads_once_and_matches(tiny, tmp_path, monkeypatch):
+    from agentmem.engine import weights
+
+    path = tmp_path / f"{tiny.name}.gguf"
+    write_gguf(tiny, path)
+    e = load(path, cache_dir=tmp_path / "cache")
+    ids = tiny.ids(300)
+    assert (e.logits(ids) - tiny.hf_logits(ids)).abs().max().item() <= 1e-4
+    ours, direct = e.model.args, tiny.engine.model.args
+    for field in ("n_heads", "n_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window",
+                  "rope_theta", "max_seq_len"):
+        assert getattr(ours, field) == getattr(direct, field), field
+    if direct.rope_scaling and direct.rope_scaling["rope_type"] != "dynamic":
+        assert ours.rope_scaling == pytest.approx(direct.rope_scaling)
+    assert e.chat == tiny.engine.chat and e.eos_ids >= tiny.engine.eos_ids
+    prompt = tiny.ids(20, seed=1)
+    assert (e.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
+            == tiny.engine.generate(prompt, max_tokens=8, ignore_eos=True).token_ids)
+    # converted once, into the cache, under the file's hash: the next load only reads it
+    (cached,) = [d for d in (tmp_path / "cache" / "models").iterdir() if d.is_dir()]
+    assert cached.name == f"{tiny.name}-{weights.file_sha256(path)[:16]}"
+    monkeypatch.setattr(weights, "dequantize_gguf", lambda *a: pytest.fail("converted twice"))
+    assert load(path, cache_dir=tmp_path / "cache").model.args == ours
+
+
+def test_a_gguf_of_another_architecture_fails_at_load_naming_it(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "gemma2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModel, match="gemma2") as err:
+        load(tmp_path / "other.gguf", cache_dir=tmp_path / "cache")
+    assert "llama" in str(err.value) and "qwen3" in str(err.value)
+
+
+# --- the commands ----------------------------------------------------------------------------
+def test_agentmem_models_lists_arch_params_context_dtype_and_format(tiny, tmp_path, monkeypatch, capsys):
+    from agentmem.engine import models_cli
+
+    gguf_path = tmp_path / f"{tiny.name}.gguf"
+    write_gguf(tiny, gguf_path)
+    monkeypatch.setenv("AGENTMEM_MODEL_PATH", str(tiny.path))
+    monkeypatch.setenv("AGENTMEM_CACHE_DIR", str(tmp_path / "cache"))
+    assert models_cli.main(["--json", "--no-load", str(gguf_path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["format"]: r for r in out["models"]}
+    n_params = sum(p.numel() for p in tiny.hf.parameters())  # a tied head counted once
+    checkpoint, gguf_row = rows["safetensors"], rows["gguf"]
+    assert checkpoint["configured"] and out["configured"] == str(tiny.path)
+    assert (checkpoint["arch"], checkpoint["params"], checkpoint["context"], checkpoint["dtype"]) == (
+        tiny.hf.config.model_type, n_params, 512, "F32")
+    assert checkpoint["supported"] == "yes"
+    assert (gguf_row["arch"], gguf_row["params"], gguf_row["context"], gguf_row["dtype"]) == (
+        GGUF_ARCH[tiny.hf.config.model_type], n_params, 512, "F32")
+
+
+def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
+    from agentmem.engine import bench
+
+    monkeypatch.setattr(bench, "machine_figures", lambda dtype, device: (1.0, 1.0, 1.0, 1.0))
+    assert bench.main(["--model", str(tiny.path), "--json", "--dtype", "float32", "--prompt-tokens", "64",
+                       "--new-tokens", "4", "--streams", "2", "--repeats", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == tiny.path.name and out["max_logit_err"] <= 1e-4
+    assert type(tiny.hf).__name__ in out["peer"] and out["prefill_tok_s"] > 0
