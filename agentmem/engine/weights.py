@@ -64,7 +64,8 @@ def resolve_model_dir(model_path: Path | None, cache_dir: Path) -> Path:
         if model_path.suffix == ".gguf":
             if not model_path.is_file():
                 raise WeightsMissing(f"{model_path}: no such GGUF file")
-            target = Path(cache_dir).expanduser() / "models" / f"{model_path.stem}-{file_sha256(model_path)[:16]}"
+            models = Path(cache_dir).expanduser() / "models"
+            target = models / f"{model_path.stem}-{file_sha256(model_path, models / '.hashes')[:16]}"
             return target if _is_checkpoint(target) else dequantize_gguf(model_path, target)
         if not _is_checkpoint(model_path):
             raise WeightsMissing(
@@ -116,26 +117,23 @@ def dequantize_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
-def file_sha256(path: Path) -> str:
-    """The file's SHA-256, remembered beside the cache by (path, size, mtime) so a multi-GB
-    GGUF is hashed once, not at every load."""
+def file_sha256(path: Path, memo_dir: Path | None = None) -> str:
+    """The file's SHA-256; with `memo_dir`, remembered there by (path, size, mtime) so a
+    multi-GB GGUF is hashed once, not at every load."""
     st = path.stat()
-    memo = path.resolve().parent / f".{path.name}.sha256"
-    stamp = f"{st.st_size}:{st.st_mtime_ns}"
-    try:
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    memo = memo_dir / hashlib.sha256(stamp.encode()).hexdigest()[:24] if memo_dir is not None else None
+    if memo is not None and memo.is_file():
         saved = json.loads(memo.read_text())
         if saved.get("stamp") == stamp:
             return saved["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
-    try:
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
         memo.write_text(json.dumps({"stamp": stamp, "sha256": h.hexdigest()}))
-    except OSError:  # a read-only model directory: hash again next time
-        pass
     return h.hexdigest()
 
 
