@@ -432,3 +432,22 @@ def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model"] == tiny.path.name and out["max_logit_err"] <= 1e-4
     assert type(tiny.hf).__name__ in out["peer"] and out["prefill_tok_s"] > 0
+
+
+def test_rope_scaling_in_the_older_config_layout_is_read_too(tiny, tmp_path):
+    """transformers 5 writes `rope_parameters`; checkpoints saved before it have
+    `rope_scaling` and a top-level `rope_theta`. Both load to the same model."""
+    if tiny.name not in ("llama3", "llama-linear"):
+        pytest.skip("a scaled-RoPE family")
+    conf = json.loads((tiny.path / "config.json").read_text())
+    params = conf.pop("rope_parameters")
+    conf["rope_theta"] = params.pop("rope_theta")
+    conf["rope_scaling"] = params
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    for f in tiny.path.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    old = load(tmp_path)
+    assert old.model.args == tiny.engine.model.args
+    ids = tiny.ids(300)
+    assert torch.equal(old.logits(ids), tiny.engine.logits(ids))
