@@ -39,6 +39,7 @@ class Config(BaseSettings):
     kv_block_size: int = 16
     kv_pool_tokens: int = 32768  # capacity of the paged KV pool, in tokens
     max_batch: int = 16
+    max_batch_per_tenant: int | None = None  # slots one tenant may hold; default: all but an eighth of max_batch
     prefill_chunk: int = 512  # chunked prefill: tokens per scheduler step
     threads: int | None = None
 
@@ -48,6 +49,12 @@ class Config(BaseSettings):
     # --- storage ---------------------------------------------------------------------------
     data_dir: Path = _user_data()
     db_url: str | None = None  # default: sqlite:///<data_dir>/agentmem.db
+    # SQLite's synchronous pragma: "normal" (WAL: a power loss may drop the last commits, a
+    # crash of the process drops none) or "full" (fsync on every commit: power-loss durable)
+    db_sync: str = "normal"
+    # the key /metrics, /docs and /openapi.json require (`Authorization: Bearer <key>`);
+    # unset: they answer only clients on the loopback address
+    operator_key: str | None = None
 
     # --- memory ----------------------------------------------------------------------------
     context_window: int | None = None  # default: the model's (SmolLM2: 8192)
@@ -73,5 +80,14 @@ class Config(BaseSettings):
     def resolved_db_url(self) -> str:
         if self.db_url:
             return self.db_url
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         return f"sqlite:///{self.data_dir / 'agentmem.db'}"
+
+
+def private_dir(path: Path) -> Path:
+    """Make `path` (and missing parents) readable by this user only: it holds users' words."""
+    import os
+
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path

@@ -8,21 +8,26 @@ use (or handed in), so the memory endpoints and the admin path never wait for it
 from __future__ import annotations
 
 import threading
-import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
 from sqlalchemy import text
 
 from ..config import Config
 from ..tiers.store import MemoryStore
 from . import errors
+from .auth import KeyCache
 from .chat import ChatService
+from .disconnect import DisconnectWatch
+from .guard import Guard
+from .idempotency import Idempotency
 from .kvcache import chunk_stats, drop_cached_kv
 from .limits import BodyLimit, Limits, RateLimiter
 from .metrics import Metrics
+from .operator import OperatorOnly
 
 KEY_CACHE_SECONDS = 5.0
+KEY_CACHE_ENTRIES = 10_000
 
 
 class Services:
@@ -32,9 +37,10 @@ class Services:
         self.limits = limits
         self.metrics = Metrics(chunk_stats=self.chunk_stats)
         self.rate = RateLimiter(limits.rate_per_minute)
+        self.failed_auth = RateLimiter(limits.failed_auth_per_minute, max_keys=limits.rate_clients)
         self._engine = engine
         self._engine_lock = threading.Lock()
-        self._keys: dict[str, tuple[str | None, float]] = {}
+        self.keys = KeyCache(store.tenant_for_key_hash, KEY_CACHE_ENTRIES, KEY_CACHE_SECONDS)
         self.reflection = None  # a ReflectionScheduler once start_reflection() ran
         self.chat = ChatService(config, store, self.engine, limits, serial=serial)
         store.forget_hooks.append(self._forget)
@@ -52,15 +58,9 @@ class Services:
     def engine_loaded(self) -> bool:
         return self._engine is not None
 
-    def tenant_for_key(self, key_hash: str) -> str | None:
-        """Key lookups are cached briefly: every request needs one, keys rarely change."""
-        now = time.monotonic()
-        hit = self._keys.get(key_hash)
-        if hit is not None and now - hit[1] < KEY_CACHE_SECONDS:
-            return hit[0]
-        tenant = self.store.tenant_for_key_hash(key_hash)
-        self._keys[key_hash] = (tenant, now)
-        return tenant
+    def tenant_for_key(self, key_hash: str, fresh: bool = False) -> str | None:
+        """Key lookups are cached briefly (reads); `fresh` asks the database (writes)."""
+        return self.keys.get(key_hash, fresh)
 
     def start_reflection(self, every_turns: int = 20, idle_s: float = 300.0, poll_s: float = 5.0):
         """Offline reflection beside the service, in its own thread, never on a request's path:
@@ -84,7 +84,7 @@ class Services:
         if user_id is None:
             self.metrics.forget_tenant(tenant_id)
             self.rate.forget(tenant_id)
-            self._keys = {h: v for h, v in self._keys.items() if v[0] != tenant_id}
+            self.keys.drop_tenant(tenant_id)
 
 
 def create_app(config: Config | None = None, engine=None, store: MemoryStore | None = None,
@@ -107,16 +107,11 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
         # a pass cut short at shutdown resumes where it stopped (the checkpoint advances per message)
         app.router.on_shutdown.append(lambda: services.reflection.stop(5))
     errors.install(app)
+    app.add_middleware(DisconnectWatch)
+    app.add_middleware(Idempotency, services=services)  # inside the body limit: it reads whole bodies
     app.add_middleware(BodyLimit, limits=services.limits)
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        services.metrics.requests.labels(request.method, route, str(response.status_code)).inc()
-        services.metrics.latency.labels(route).observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(OperatorOnly, operator_key=config.operator_key)
+    app.add_middleware(Guard, metrics=services.metrics)  # outermost: counts the body limit's 413s too
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict:

@@ -7,6 +7,13 @@ in the same run on the same workload, is the same server started with `--serial`
 request at a time, as a server without a batching engine answers. Both servers are up for
 the whole run and each level runs on one, then at once on the other. The speedup per level
 is batched throughput over serial throughput.
+
+The noisy-neighbour run (on the batched server, after the levels) measures a quiet tenant's
+search and time-to-first-token p95 alone, then again while a second tenant floods the
+same server at its limits: `--flood-clients` concurrent clients each streaming chat turns
+and posting messages of the longest allowed size. `neighbour_search_p95_s` and
+`neighbour_ttft_p95_s` beside `alone_search_p95_s` and `alone_ttft_p95_s` show what the
+flood costs the quiet tenant.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stateless", action="store_true", help="chat without `user` (no memory), prompt only")
     p.add_argument("--dtype", help="server dtype: auto | float32 | bfloat16")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take")
+    p.add_argument("--neighbour", choices=("on", "off", "only"), default="on",
+                   help="the noisy-neighbour run after the levels (only: skip the levels and the serial peer)")
+    p.add_argument("--neighbour-probes", type=int, default=12, help="quiet tenant's searches and chats per phase")
+    p.add_argument("--flood-clients", type=int, default=16, help="the noisy tenant's concurrent clients")
+    p.add_argument("--flood-chars", type=int, default=30_000, help="characters of each message the flood posts")
     return p
 
 
@@ -104,6 +116,81 @@ def measure(url: str, key: str, clients: int, requests: int, max_tokens: int, pr
             "wall_s": round(wall, 3), "error_samples": errors[:3]}
 
 
+def _ttft(c: httpx.Client, body: dict) -> float:
+    """Seconds until the first SSE event of a streamed chat (the server sends it with the
+    first token)."""
+    t = time.perf_counter()
+    with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        first = None
+        for line in r.iter_lines():
+            if first is None and line.startswith("data:"):
+                first = time.perf_counter() - t
+        if first is None:
+            raise RuntimeError("a streamed chat sent no event")
+        return first
+
+
+def _probe(url: str, key: str, probes: int, max_tokens: int, timeout: float) -> dict:
+    """The quiet tenant's requests, one at a time: a search, then a streamed chat turn."""
+    searches, ttfts = [], []
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout) as c:
+        for i in range(probes):
+            t = time.perf_counter()
+            c.post("/v1/users/quiet/search", json={"query": QUESTIONS[i % len(QUESTIONS)], "k": 5}).raise_for_status()
+            searches.append(time.perf_counter() - t)
+            ttfts.append(_ttft(c, {"user": "quiet", "max_tokens": max_tokens,
+                                   "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}))
+    searches.sort()
+    ttfts.sort()
+    return {"search_p95_s": round(percentile(searches, 0.95), 4), "ttft_p95_s": round(percentile(ttfts, 0.95), 4),
+            "search_p50_s": round(percentile(searches, 0.5), 4), "ttft_p50_s": round(percentile(ttfts, 0.5), 4)}
+
+
+def neighbour(url: str, quiet_key: str, noisy_key: str, args) -> dict:
+    """The quiet tenant's search and TTFT p95 alone, then while the noisy tenant floods."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {quiet_key}"}, timeout=args.timeout) as c:
+        for q in QUESTIONS:  # the quiet user has a history to search
+            c.post("/v1/users/quiet/messages", json={"messages": [{"role": "user", "content": q}]}).raise_for_status()
+    alone = _probe(url, quiet_key, args.neighbour_probes, args.max_tokens, args.timeout)
+    stop = threading.Event()
+    sent = {"chats": 0, "posts": 0, "errors": 0}
+    lock = threading.Lock()
+    filler = ("My notes for today, in full detail. " * (args.flood_chars // 36 + 1))[: args.flood_chars]
+
+    def flood(i: int) -> None:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {noisy_key}"}, timeout=args.timeout) as c:
+            n = 0
+            while not stop.is_set():
+                try:
+                    if n % 2:
+                        c.post(f"/v1/users/noisy-{i}/messages",
+                               json={"messages": [{"role": "user", "content": f"{n} {filler}"}]}).raise_for_status()
+                        kind = "posts"
+                    else:
+                        _ttft(c, {"user": f"noisy-{i}", "max_tokens": args.max_tokens,
+                                  "messages": [{"role": "user", "content": QUESTIONS[n % len(QUESTIONS)]}]})
+                        kind = "chats"
+                except (httpx.HTTPError, RuntimeError):
+                    kind = "errors"
+                with lock:
+                    sent[kind] += 1
+                n += 1
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(args.flood_clients)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # the flood is under way before the quiet tenant is measured
+    flooded = _probe(url, quiet_key, args.neighbour_probes, args.max_tokens, args.timeout)
+    stop.set()
+    for t in threads:
+        t.join()
+    return {"alone": alone, "flooded": flooded, "flood_clients": args.flood_clients,
+            "flood_chars": args.flood_chars, "flood_requests": sent, "probes": args.neighbour_probes,
+            "search_ratio": round(flooded["search_p95_s"] / alone["search_p95_s"], 3) if alone["search_p95_s"] else 0,
+            "ttft_ratio": round(flooded["ttft_p95_s"] / alone["ttft_p95_s"], 3) if alone["ttft_p95_s"] else 0}
+
+
 @contextmanager
 def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
     """A real `agentmem serve` process on a free loopback port; yields its URL."""
@@ -143,9 +230,10 @@ def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
                 proc.wait()
 
 
-def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str]:
-    """A fresh server for `mode` (its own data dir and tenant), warmed by one unmeasured turn
-    (it loads the embedder and starts the engine loop); returns (url, key)."""
+def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str, dict[str, str]]:
+    """A fresh server for `mode` (its own data dir and tenant, plus the quiet and noisy
+    tenants of the neighbour run), warmed by one unmeasured turn (it loads the embedder and
+    starts the engine loop); returns (url, key, {"quiet": key, "noisy": key})."""
     from ..config import Config
     from ..tiers.store import MemoryStore
     from .auth import create_tenant_with_key
@@ -153,18 +241,20 @@ def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str]:
     data = root / mode
     store = MemoryStore(Config(data_dir=data))
     _, key = create_tenant_with_key(store, f"bench-{mode}")
+    others = {name: create_tenant_with_key(store, name)[1] for name in ("quiet", "noisy")}
     store.close()
     url = stack.enter_context(server(data, mode == "serial", args.max_tokens, args.dtype))
     warm = measure(url, key, 1, 1, args.max_tokens, f"{mode}-warm", args.stateless, args.timeout)
     if warm["errors"]:
         raise RuntimeError(f"warm-up request failed: {warm['error_samples']}")
-    return url, key
+    return url, key, others
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.quick:
         args.levels, args.requests, args.max_tokens = "1,4", 1, 4
+        args.neighbour_probes, args.flood_clients, args.flood_chars = 3, 4, 2000
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         print("agentmem bench serve: levels, --requests and --max-tokens must be positive", file=sys.stderr)
@@ -172,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     # both servers stay up and each level runs on one right after the other, so a change in
     # the machine's other load hits both sides of a comparison alike
     results: dict[str, list[dict]] = {"batched": [], "serial": []}
+    if args.neighbour == "only":
+        levels, results = [], {"batched": []}
+    nb = None
     with tempfile.TemporaryDirectory(prefix="agentmem-bench-serve-") as tmp, ExitStack() as stack:
-        servers = {mode: start(stack, Path(tmp), mode, args) for mode in results}
+        started = {mode: start(stack, Path(tmp), mode, args) for mode in results}
+        servers = {mode: (url, key) for mode, (url, key, _) in started.items()}
         url, key = servers["batched"]
         model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
         for n in levels:
@@ -183,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     print(f"  {mode:<8} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
                           f"p99 {r['p99_s']:.2f} s, {r['errors']} errors", file=sys.stderr, flush=True)
-    batched, serial = results["batched"], results["serial"]
+        if args.neighbour != "off":
+            url, _, tenants = started["batched"]
+            nb = neighbour(url, tenants["quiet"], tenants["noisy"], args)
+    batched, serial = results["batched"], results.get("serial", [])
     rows = []
     for b, s in zip(batched, serial, strict=True):
         speedup = b["throughput_req_s"] / s["throughput_req_s"] if s["throughput_req_s"] else 0.0
@@ -196,9 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "peer": "the same server with --serial (one request at a time)",
         "levels": rows,
-        "speedup": rows[-1]["speedup"],
+        "speedup": rows[-1]["speedup"] if rows else None,
         "errors": sum(r["errors"] + r["serial"]["errors"] for r in rows),
     }
+    if nb is not None:
+        result.update(neighbour=nb, neighbour_search_p95_s=nb["flooded"]["search_p95_s"],
+                      neighbour_ttft_p95_s=nb["flooded"]["ttft_p95_s"], alone_search_p95_s=nb["alone"]["search_p95_s"],
+                      alone_ttft_p95_s=nb["alone"]["ttft_p95_s"])
+        result["errors"] += nb["flood_requests"]["errors"]
     if not args.json:
         for r in rows:
             print(f"{r['clients']:>3} clients: batched {r['throughput_req_s']:.3f} req/s vs serial "

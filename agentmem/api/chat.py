@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from ..config import Config
 from .errors import ApiError
 from .limits import Limits
-from .schemas import ChatCompletionRequest
+from .roles import prompt_role
+from .schemas import ChatCompletionRequest, storable
 
 MAX_OPEN_SESSIONS = 256
 
@@ -90,9 +91,12 @@ class ChatService:
             raise ApiError(400, f"at most {self.limits.max_messages} messages per request", code="too_many_messages",
                            param="messages")
         for i, m in enumerate(req.messages):
+            storable(m.text(), f"messages.{i}.content")
             if len(m.text()) > self.limits.max_message_chars:
                 raise ApiError(400, f"message {i} is longer than {self.limits.max_message_chars} characters",
                                code="message_too_long", param=f"messages.{i}.content")
+        for stop in req.stops():
+            storable(stop, "stop")
         wanted = req.max_completion_tokens or req.max_tokens or self.config.reply_tokens
         if wanted > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens may be at most {self.limits.max_tokens}", code="max_tokens_too_large",
@@ -145,7 +149,7 @@ class ChatService:
     def _stateless(self, tenant_id: str, req, max_tokens: int):
         engine = self.engine()
         segments = [replace(s, namespace=tenant_id) for s in
-                    engine.chat_segments([{"role": m.role, "content": m.text()} for m in req.messages])]
+                    engine.chat_segments([{"role": prompt_role(m.role), "content": m.text()} for m in req.messages])]
         done: dict[str, TurnResult] = {}
 
         def pieces() -> Iterator[str]:

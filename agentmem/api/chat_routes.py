@@ -12,12 +12,13 @@ import json
 import uuid
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from ..engine.weights import DEFAULT_MODEL_ID
 from .chat import TurnResult, now
 from .deps import Caller, caller, services
+from .disconnect import until_disconnected
 from .schemas import (
     AssistantMessage,
     CacheStats,
@@ -55,7 +56,8 @@ def _extras(r: TurnResult) -> CacheStats:
 
 @router.post("/chat/completions", response_model=ChatCompletion,
              responses={200: {"content": {"text/event-stream": {}}, "description": "a completion, or SSE chunks"}})
-def chat_completions(req: ChatCompletionRequest, who: Caller = Depends(caller), svc=Depends(services)):
+def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller = Depends(caller),
+                     svc=Depends(services)):
     """One chat turn. With `user`, that user's memory is recalled and the turn is stored;
     `session_id` (an agentmem extension) picks the conversation, default: the user's own."""
     max_tokens = svc.chat.check(req)
@@ -66,7 +68,7 @@ def chat_completions(req: ChatCompletionRequest, who: Caller = Depends(caller), 
     try:
         pieces, result = svc.chat.run(who.tenant_id, req, max_tokens)
         if not req.stream:
-            text = "".join(pieces)
+            text = "".join(until_disconnected(pieces, getattr(request.state, "client_gone", None)))
     except BaseException:
         m.queue.dec()
         raise

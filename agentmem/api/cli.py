@@ -52,9 +52,14 @@ def config_from(args: argparse.Namespace):
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    import os
+
     import uvicorn
 
     from .app import create_app
+    from .logs import log_config
+
+    os.umask(0o077)  # every file the service writes (database, recall index, chunk KV) is 0600
 
     config = config_from(args)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_message_chars=args.max_message_chars,
@@ -66,5 +71,6 @@ def main(argv: list[str]) -> int:
         engine = Engine.load(config)
     app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui, serial=args.serial,
                      reflect_every_turns=args.reflect_every_turns, reflect_idle_s=args.reflect_idle)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                log_config=log_config())
     return 0

@@ -12,6 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cachetools import LRUCache
+
 from .errors import error_body
 
 
@@ -23,6 +25,8 @@ class Limits:
     max_tokens: int = 1024
     rate_per_minute: float = 600.0  # per tenant; burst = one minute's worth
     max_import_bytes: int = 16 << 20  # import documents may be larger than other bodies
+    failed_auth_per_minute: float = 30.0  # per client address: guessing keys is slow
+    rate_clients: int = 100_000  # addresses (or tenants) a rate limiter remembers at most
 
 
 class TooLarge(Exception):
@@ -54,19 +58,27 @@ class BodyLimit:
                 if declared > limit:
                     return await _too_large(send, limit)
         seen = 0
-        started = False
+        started = over = False
 
         async def counted_receive():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    over = True
                     raise TooLarge
             return message
 
         async def tracked_send(message):
+            # the app may catch TooLarge while reading the body (FastAPI turns it into a 400
+            # "error parsing the body"): whatever it answers then, the answer is our 413
             nonlocal started
+            if over:
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await _too_large(send, limit)
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
@@ -92,22 +104,33 @@ async def _reply(send, status: int, message: str, type_: str, code: str) -> None
 class RateLimiter:
     """Token bucket per key: `rate_per_minute` sustained, bursts up to one minute's worth."""
 
-    def __init__(self, rate_per_minute: float):
+    def __init__(self, rate_per_minute: float, max_keys: int = 100_000):
         self.rate = rate_per_minute / 60.0
         self.burst = max(1.0, rate_per_minute)
-        self._buckets: dict[str, tuple[float, float]] = {}
+        # least recently used buckets go first: a forgotten bucket is a full one, which is
+        # what a key that has been idle for a minute would have anyway
+        self._buckets: LRUCache = LRUCache(maxsize=max_keys)
         self._lock = threading.Lock()
 
     def take(self, key: str) -> float:
         """Spend one token; 0.0 if allowed, else the seconds until one is available."""
         if self.rate <= 0:
             return 0.0
+        return self._take(key, spend=True)
+
+    def check(self, key: str) -> float:
+        """The seconds until `key` has a token again, spending nothing (0.0: it has one)."""
+        if self.rate <= 0:
+            return 0.0
+        return self._take(key, spend=False)
+
+    def _take(self, key: str, spend: bool) -> float:
         now = time.monotonic()
         with self._lock:
             tokens, last = self._buckets.get(key, (self.burst, now))
             tokens = min(self.burst, tokens + (now - last) * self.rate)
             if tokens >= 1.0:
-                self._buckets[key] = (tokens - 1.0, now)
+                self._buckets[key] = (tokens - 1.0 if spend else tokens, now)
                 return 0.0
             self._buckets[key] = (tokens, now)
             return (1.0 - tokens) / self.rate

@@ -10,13 +10,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Body, Depends, Path, Query
 
 from ..tiers.records import NotFound
+from ..tiers.sizes import KIND_CHARS, LABEL_CHARS, SESSION_ID_CHARS, USER_ID_CHARS
 from .deps import Caller, caller, services
 from .errors import ApiError
-from .schemas import ContextIn, CoreBlockIn, MemoryIn, MemoryPatch, MessagesIn, SearchIn
+from .schemas import ContextIn, CoreBlockIn, MemoryIn, MemoryPatch, MessagesIn, SearchIn, storable
 
 router = APIRouter(prefix="/v1", tags=["memory"])
 
-UserId = Path(min_length=1, max_length=128, description="the user id, as given in chat `user`")
+UserId = Path(min_length=1, max_length=USER_ID_CHARS, description="the user id, as given in chat `user`")
 MemoryId = Path(ge=1, le=2**63 - 1, description="a memory id (from listing or adding memories)")
 MAX_LIST = 10_000
 
@@ -62,7 +63,7 @@ def delete_user(user_id: str = UserId, who: Caller = Depends(caller), svc=Depend
 # --- memories -----------------------------------------------------------------------------
 @router.get("/users/{user_id}/memories")
 def list_memories(user_id: str = UserId, status: str | None = Query(None, description="active | superseded | all"),
-                  kind: str | None = Query(None, max_length=32), limit: int = Query(1000, ge=0, le=MAX_LIST),
+                  kind: str | None = Query(None, max_length=KIND_CHARS), limit: int = Query(1000, ge=0, le=MAX_LIST),
                   who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """Facts and insights with their status and links (source message ids, superseded_by)."""
     _user(svc, who.tenant_id, user_id)
@@ -115,9 +116,28 @@ def context(body: ContextIn, user_id: str = UserId, who: Caller = Depends(caller
 
     _check_len(svc, body.query, "query")
     _user(svc, who.tenant_id, user_id)
-    session = AgentSession(user_id, tenant_id=who.tenant_id, session_id=_latest_session(svc, who.tenant_id, user_id),
-                           config=svc.config, engine=svc.engine(), store=svc.store)
-    return session.context(body.query).to_dict()
+    sid = _latest_session(svc, who.tenant_id, user_id)
+
+    def build() -> dict:
+        session = AgentSession(user_id, tenant_id=who.tenant_id, session_id=sid, config=svc.config,
+                               engine=svc.engine(), store=svc.store)
+        return session.context(body.query).to_dict()
+
+    if sid is not None:
+        return build()
+    # a user without a session: the session AgentSession opens is rolled back with its
+    # transaction, so the preview stores nothing
+    try:
+        with svc.store.archive.tx():
+            raise _Preview(build())
+    except _Preview as done:
+        return done.context
+
+
+class _Preview(Exception):
+    def __init__(self, context: dict):
+        super().__init__("preview")
+        self.context = context
 
 
 def _latest_session(svc, tenant_id: str, user_id: str) -> str | None:
@@ -138,7 +158,7 @@ def core_blocks(user_id: str = UserId, who: Caller = Depends(caller), svc=Depend
 
 
 @router.put("/users/{user_id}/core/{label}")
-def set_core_block(body: CoreBlockIn, user_id: str = UserId, label: str = Path(min_length=1, max_length=64),
+def set_core_block(body: CoreBlockIn, user_id: str = UserId, label: str = Path(min_length=1, max_length=LABEL_CHARS),
                    who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     _check_len(svc, body.value, "value")
     return svc.store.set_core_block(who.tenant_id, user_id, label, body.value, body.limit).to_dict()
@@ -152,7 +172,7 @@ def list_sessions(user_id: str = UserId, who: Caller = Depends(caller), svc=Depe
 
 
 @router.get("/users/{user_id}/sessions/{session_id}/messages")
-def session_messages(session_id: str = Path(min_length=1, max_length=128), user_id: str = UserId,
+def session_messages(session_id: str = Path(min_length=1, max_length=SESSION_ID_CHARS), user_id: str = UserId,
                      limit: int = Query(1000, ge=0, le=MAX_LIST), who: Caller = Depends(caller),
                      svc=Depends(services)) -> dict:
     return _listing(svc.store.session_messages(who.tenant_id, user_id, session_id), limit)
@@ -161,8 +181,11 @@ def session_messages(session_id: str = Path(min_length=1, max_length=128), user_
 @router.post("/users/{user_id}/messages", status_code=201)
 def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """Store history without generating; committed (durable) before this answers."""
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(body.messages):  # all checked before the session is opened: a refusal stores nothing
+        storable(m.content, f"messages.{i}.content")
         _check_len(svc, m.content, f"messages.{i}.content")
+    if body.session_id is not None:
+        storable(body.session_id, "session_id")
     if len(body.messages) > svc.limits.max_messages:
         raise ApiError(400, f"at most {svc.limits.max_messages} messages per request", code="too_many_messages")
     sid = body.session_id or _latest_session(svc, who.tenant_id, user_id)
@@ -172,7 +195,7 @@ def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(
 
 
 @router.get("/users/{user_id}/turns")
-def turns(user_id: str = UserId, session_id: str | None = Query(None, max_length=128),
+def turns(user_id: str = UserId, session_id: str | None = Query(None, max_length=SESSION_ID_CHARS),
           limit: int = Query(50, ge=1, le=MAX_LIST), who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """Per-turn traces: prompt segments by tier with tokens and KV fate (reused / blended /
     prefilled), memories used, TTFT and token counts."""
@@ -199,9 +222,15 @@ def export_user(user_id: str = UserId, who: Caller = Depends(caller), svc=Depend
 @router.post("/users/{user_id}/import", status_code=201)
 def import_user(doc: dict = Body(..., description="a document from GET .../export"), user_id: str = UserId,
                 who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """All or nothing, with the limits of the live endpoints (message and memory length)."""
+    for key, field in (("messages", "text"), ("memories", "text"), ("memories", "compressed_text")):
+        rows = doc.get(key)
+        for i, row in enumerate(rows if isinstance(rows, list) else []):
+            if isinstance(row, dict) and isinstance(row.get(field), str):
+                _check_len(svc, row[field], f"{key}.{i}.{field}")
     try:
         return svc.store.import_user(who.tenant_id, user_id, doc)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ApiError(400, f"malformed export document: {exc}", code="invalid_export") from exc
 
 

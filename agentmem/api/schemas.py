@@ -5,11 +5,22 @@ accepted and ignored, as OpenAI-compatible servers do."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-Role = Literal["system", "user", "assistant", "tool", "developer"]
+from ..tiers.archive import clean_text
+from ..tiers.schema import to_db_time
+from ..tiers.sizes import KIND_CHARS, MAX_BLOCK_LIMIT, SESSION_ID_CHARS, USER_ID_CHARS
+from .roles import Role
+
+
+def _storable_time(t: datetime) -> datetime:
+    to_db_time(t)  # InvalidInput (a ValueError) when its UTC form is out of range: a 422
+    return t
+
+
+Time = Annotated[datetime, AfterValidator(_storable_time)]
 
 
 class ContentPart(BaseModel):
@@ -46,8 +57,9 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, min_length=1, max_length=128, description="whose memory is used; none: stateless")
-    session_id: str | None = Field(None, min_length=1, max_length=128,
+    user: str | None = Field(None, min_length=1, max_length=USER_ID_CHARS,
+                             description="whose memory is used; none: stateless")
+    session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_CHARS,
                                    description="agentmem extension: continue this session of `user`")
 
     def stops(self) -> list[str]:
@@ -110,8 +122,8 @@ class ModelList(BaseModel):
 class MemoryIn(BaseModel):
     text: str = Field(min_length=1)
     importance: float = Field(0.5, ge=0.0, le=1.0)
-    kind: str = Field("fact", min_length=1, max_length=32)
-    event_time: datetime | None = None
+    kind: str = Field("fact", min_length=1, max_length=KIND_CHARS)
+    event_time: Time | None = None
 
 
 class MemoryPatch(BaseModel):
@@ -122,8 +134,8 @@ class MemoryPatch(BaseModel):
 class SearchIn(BaseModel):
     query: str = Field(min_length=1)
     k: int = Field(10, ge=1, le=100)
-    since: datetime | None = None
-    until: datetime | None = None
+    since: Time | None = None
+    until: Time | None = None
 
 
 class ContextIn(BaseModel):
@@ -132,15 +144,26 @@ class ContextIn(BaseModel):
 
 class CoreBlockIn(BaseModel):
     value: str
-    limit: int | None = Field(None, ge=1, le=100_000)
+    limit: int | None = Field(None, ge=1, le=MAX_BLOCK_LIMIT)
 
 
 class MessageIn(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str = Field(min_length=1)
-    event_time: datetime | None = None
+    event_time: Time | None = None
 
 
 class MessagesIn(BaseModel):
-    session_id: str | None = Field(None, min_length=1, max_length=128)
+    session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_CHARS)
     messages: list[MessageIn] = Field(min_length=1)
+
+
+def storable(value: str, param: str) -> str:
+    """`value` if the tokenizer and the database can take it, else a 400 naming `param`
+    (for fields whose schema cannot say it, such as chat content parts)."""
+    from .errors import ApiError
+
+    try:
+        return clean_text(value, param, allow_empty=True)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), code="invalid_text", param=param) from None

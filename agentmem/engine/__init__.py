@@ -12,7 +12,7 @@ from .engine import (
     Segment,
     attend,
 )
-from .errors import EmptyPrompt, EngineError, InvalidSampling, PromptTooLong
+from .errors import EmptyPrompt, EngineError, InvalidSampling, PromptTooLong, UnsupportedModel
 from .kv_pool import KVPool
 from .loop import EngineLoop
 from .model import ModelArgs, Transformer, load_transformer
@@ -39,6 +39,7 @@ __all__ = [
     "SamplingParams",
     "Segment",
     "Transformer",
+    "UnsupportedModel",
     "WeightsMissing",
     "attend",
     "load_transformer",

@@ -13,7 +13,7 @@ interleaved, so both see the same load on a shared machine):
   throughput of all streams together, and KV utilisation (used / allocated KV bytes of the
   paged pool over the run; `kv_utilization_reserved` is the same for a contiguous cache
   that reserves prompt + max_tokens per request, the best case of pre-paging servers).
-- max_logit_err: fp32 logits of ours vs HF `LlamaForCausalLM` on 512 prompt tokens.
+- max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens.
 - the machine: matmul rate (fp32, bf16, the bench dtype) and memory copy bandwidth, to say
   how far each figure is from what the hardware allows.
 
@@ -32,6 +32,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -191,8 +192,9 @@ def max_logit_err(engine: Engine, hf, ids: list[int]) -> float:
     return float((ours - ref).abs().max())
 
 
-def llamacpp_figures(ids: list[int], short: list[int], new_tokens: int, threads: int) -> dict:
-    """llama-cpp-python on the default GGUF, if it is importable; never a dependency."""
+def llamacpp_figures(gguf: Path | None, ids: list[int], short: list[int], new_tokens: int, threads: int) -> dict:
+    """llama-cpp-python on the model's GGUF (None: the default one), if it is importable and
+    the model came as a GGUF; never a dependency."""
     try:
         import llama_cpp  # type: ignore[import-not-found]
     except ImportError:
@@ -202,7 +204,7 @@ def llamacpp_figures(ids: list[int], short: list[int], new_tokens: int, threads:
 
         from .weights import default_gguf
 
-        llm = llama_cpp.Llama(model_path=str(default_gguf()), n_ctx=len(ids) + new_tokens + 64,
+        llm = llama_cpp.Llama(model_path=str(gguf or default_gguf()), n_ctx=len(ids) + new_tokens + 64,
                               n_threads=threads, verbose=False)
         llm.eval(short)
         llm.reset()
@@ -221,11 +223,11 @@ def llamacpp_figures(ids: list[int], short: list[int], new_tokens: int, threads:
 
 
 def load_hf(path, dtype: torch.dtype, device: torch.device):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    return LlamaForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
 def main(argv: list[str]) -> int:
@@ -235,6 +237,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke test")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (ours and the peer)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a checkpoint directory or .gguf file of a supported family (default: AGENTMEM_MODEL_PATH, "
+                         "else the default model)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -248,10 +253,14 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
 
-    engine = Engine.load(Config(dtype=args.dtype, device=args.device, kv_mode="full"))  # the plain engine, no chunk reuse
+    base = Config() if args.model is None else Config(model_path=args.model)
+    model_path = base.model_path
+    # the plain engine, no chunk reuse
+    engine = Engine.load(base.model_copy(update={"dtype": args.dtype, "device": args.device, "kv_mode": "full"}))
     device, dtype, margs = engine.device, engine.dtype, engine.model.args
     path = resolve_model_dir(engine.config.model_path, engine.config.cache_dir)
     hf = load_hf(path, dtype, device)
+    peer = type(hf).__name__
     ids = prose_ids(engine, args.prompt_tokens)
     chat = story_prompt(engine, 0)
     chat_ids = [t for s in chat for t in engine.encode(s.text)]
@@ -288,7 +297,7 @@ def main(argv: list[str]) -> int:
         err = max_logit_err(engine, hf, err_ids)
     else:
         del hf
-        err = max_logit_err(Engine.load(Config(dtype="float32", device=args.device, kv_mode="full")),
+        err = max_logit_err(Engine.load(engine.config.model_copy(update={"dtype": "float32"})),
                             load_hf(path, torch.float32, device), err_ids)
 
     log("machine, again ...")
@@ -317,7 +326,9 @@ def main(argv: list[str]) -> int:
                                             / args.prompt_tokens / (peak * 1e9), 1),
         "decode_bound_tok_s": round(bound, 1),
         "decode_pct_of_bandwidth_bound": round(100 * decode / bound, 1),
-        **llamacpp_figures(ids, chat_ids, args.new_tokens, threads),
+        **(llamacpp_figures(model_path, ids, chat_ids, args.new_tokens, threads)
+           if model_path is None or model_path.suffix == ".gguf"
+           else {"llamacpp_prefill_tok_s": None, "llamacpp_decode_tok_s": None}),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "streams": args.streams,
@@ -326,7 +337,8 @@ def main(argv: list[str]) -> int:
         "device": _device_name(device),
         "cpus": os.cpu_count(),
         "model": engine.model_id,
-        "peer": "HF transformers LlamaForCausalLM, same dtype/threads/device, KV cache on, torch.inference_mode; "
+        "peer": f"HF transformers {peer}, "
+        "same dtype/threads/device, KV cache on, torch.inference_mode; "
         "prefill = forward(use_cache=True, logits_to_keep=1), decode = greedy generate()",
         "method": "best of `repeats` interleaved runs; decode excludes the first token; prefill ours = "
         "Engine.generate time to first token",

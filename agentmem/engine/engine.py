@@ -9,6 +9,7 @@ cached KV for them instead of prefilling again. The engine itself knows nothing 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -19,11 +20,12 @@ import torch
 from ..config import Config
 from .errors import EmptyPrompt, PromptTooLong
 from .kernels.reference import sdpa
+from .layers import visible
 from .loop import EngineLoop
 from .model import Transformer, load_transformer
 from .sampler import SamplingParams
 from .sequence import Sequence
-from .tokenizer import ChatFormat, chat_format, load_tokenizer
+from .tokenizer import ChatFormat, chat_format, load_tokenizer, stop_ids
 from .weights import DEFAULT_MODEL_ID, resolve_model_dir
 
 
@@ -106,10 +108,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Exact causal attention by explicit positions: query i sees key j iff k_pos[j] <= q_pos[i].
-    q [Nq,H,hd], k/v [Nk,KV,hd] -> [Nq,H,hd]."""
-    return sdpa(q, k, v, k_pos[None, :] <= q_pos[:, None])
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           window: int | None = None) -> torch.Tensor:
+    """Exact causal attention by explicit positions: query i sees key j iff k_pos[j] <= q_pos[i]
+    (and q_pos[i] - k_pos[j] < window, with a sliding window). q [Nq,H,hd], k/v [Nk,KV,hd] -> [Nq,H,hd]."""
+    return sdpa(q, k, v, visible(q_pos, k_pos, window))
 
 
 class DenseKV:
@@ -121,6 +124,7 @@ class DenseKV:
         self.k = [torch.empty(capacity, a.n_kv_heads, a.head_dim, device=device, dtype=dtype) for _ in range(a.n_layers)]
         self.v = [torch.empty_like(t) for t in self.k]
         self.length = 0
+        self.window = a.sliding_window
 
     def load(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         n = k[0].shape[0]
@@ -136,15 +140,16 @@ class DenseKV:
         def attn(i, q, k_raw, k_rot, v):
             self.k[i][start:end] = k_rot
             self.v[i][start:end] = v
-            if start == 0:  # the keys are exactly these tokens: plain causal attention
-                return sdpa(q, k_rot, v)
-            return attend(q, self.k[i][:end], self.v[i][:end], pos[start:end], pos)
+            if start == 0 and (self.window is None or end <= self.window):
+                return sdpa(q, k_rot, v)  # the keys are exactly these tokens: plain causal attention
+            return attend(q, self.k[i][:end], self.v[i][:end], pos[start:end], pos, self.window)
 
         return attn
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer, model_id: str, device: torch.device, config: Config):
+    def __init__(self, model: Transformer, tokenizer, model_id: str, device: torch.device, config: Config,
+                 path: Path | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -153,10 +158,10 @@ class Engine:
         self.config = config
         self.chat: ChatFormat = chat_format(tokenizer)
         self.context_window = min(config.context_window or model.args.max_seq_len, model.args.max_seq_len)
-        eos = model.args.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = stop_ids(tokenizer, self.chat, model.args.eos_token_id, path)
+        if not self.chat.round_trips:
+            warnings.warn(f"{model_id}: its chat template does not render message by message (e.g. it moves the "
+                          "system message); prompts use each message's own wrapping", stacklevel=2)
         self._planner: PrefillPlanner | None = None
         self._lock = threading.Lock()
         self._loop: EngineLoop | None = None
@@ -172,7 +177,7 @@ class Engine:
         path = resolve_model_dir(config.model_path, config.cache_dir)
         model = load_transformer(path, dtype, device)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
-        engine = cls(model, load_tokenizer(path), model_id, device, config)
+        engine = cls(model, load_tokenizer(path), model_id, device, config, path)
         if config.kv_mode != "full":
             from ..kvreuse import enable_chunk_reuse  # lazy: kvreuse builds on the engine
 

@@ -18,3 +18,7 @@ class PromptTooLong(EngineError):
 
 class InvalidSampling(EngineError):
     pass
+
+
+class UnsupportedModel(EngineError):
+    """The checkpoint's model_type, or one of its options, is not one the engine computes."""

@@ -44,7 +44,8 @@ class EngineLoop:
         num_blocks = max(1, (pool_tokens or cfg.kv_pool_tokens) // block_size)
         self.blocks = BlockManager(num_blocks, block_size)
         self.pool = KVPool(engine.model.args, num_blocks, block_size, engine.device, engine.dtype)
-        self.scheduler = Scheduler(self.blocks, max_batch or cfg.max_batch, prefill_chunk or cfg.prefill_chunk)
+        self.scheduler = Scheduler(self.blocks, max_batch or cfg.max_batch, prefill_chunk or cfg.prefill_chunk,
+                                   tenant_cap=cfg.max_batch_per_tenant)
         self.runner = ModelRunner(engine.model, self.pool, self.blocks, engine.device)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._start_lock = threading.Lock()

@@ -1,4 +1,6 @@
-"""A Llama-family decoder in plain torch, with explicit positions everywhere.
+"""The Llama-style decoder every supported family shares, in plain torch, with explicit
+positions everywhere. A family (engine/models/) only switches its options on: q/k/v biases,
+q/k norms, a RoPE scaling, a sliding window.
 
 Tokens are laid out token-major and flat (`[N, dim]`), the way paged engines do it, so a
 batch of decode steps from many sequences and a prefill of one sequence are the same call.
@@ -8,14 +10,14 @@ the paged pool, and the CacheBlend fuser, which runs only selected tokens throug
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .layers import LM_HEAD_TRANSPOSED_MAX_ROWS, AttnBackend, RMSNorm, Rotary, project
 
 
 @dataclass(frozen=True)
@@ -33,100 +35,20 @@ class ModelArgs:
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    model_type: str = "llama"
+    rope_scaling: dict | None = None  # HF rope parameters of a scaled RoPE (layers.rope_inv_freq)
+    qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # Mistral: a token sees only the last this many positions
 
     @classmethod
     def from_hf_config(cls, path: Path) -> ModelArgs:
-        c = json.loads((Path(path) / "config.json").read_text())
-        if c.get("rope_scaling") not in (None, {}) and c["rope_scaling"].get("rope_type", "default") != "default":
-            raise NotImplementedError(f"rope_scaling {c['rope_scaling']} is not supported")
-        n_heads = c["num_attention_heads"]
-        rope_theta = c.get("rope_theta")
-        if rope_theta is None:  # transformers 5 nests it under rope_parameters
-            rope_theta = (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(
-            vocab_size=c["vocab_size"],
-            dim=c["hidden_size"],
-            n_layers=c["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=c.get("num_key_value_heads", n_heads),
-            hidden_dim=c["intermediate_size"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-            rope_theta=float(rope_theta),
-            norm_eps=c.get("rms_norm_eps", 1e-5),
-            max_seq_len=c.get("max_position_embeddings", 8192),
-            tie_embeddings=c.get("tie_word_embeddings", True),
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_id=c.get("eos_token_id"),
-        )
+        """Read an HF checkpoint's config.json through the family its model_type names
+        (engine/models); an unsupported model_type or option raises UnsupportedModel."""
+        from .models import model_args
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # normalised in fp32 and cast back before the weight, as HF does
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-
-
-class Rotary:
-    """RoPE in the HF (rotate-half) convention, evaluated at arbitrary integer positions.
-
-    cos/sin are tabulated once (in float64, stored fp32) for every position of the context,
-    so a forward only indexes the table, and rotation of q and k is one call.
-    """
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int = 8192):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float64, device="cpu")[:, None] * self.inv_freq[None, :]
-        self._cos = freqs.cos().repeat(1, 2).float()
-        # rotate-half as a flip of the two halves times a signed sin: x*cos + flip(x)*sin_signed
-        self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).float()
-
-    def to(self, device: torch.device | str) -> Rotary:
-        self._cos, self._sin = self._cos.to(device), self._sin.to(device)
-        return self
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables at `positions` [N] -> (cos, signed sin), each [N, head_dim] fp32."""
-        return self._cos[positions], self._sin[positions]
-
-    def apply(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """x: [N, heads, head_dim]; positions: [N]. Pass `cos_sin` to reuse a lookup."""
-        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
-        n, heads, hd = x.shape
-        xf = x if x.dtype == torch.float32 else x.float()
-        swapped = xf.view(n, heads, 2, hd // 2).flip(2).view(n, heads, hd)
-        out = torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :])
-        return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-# attn(layer_idx, q_rot [N,H,hd], k_raw [N,KV,hd], k_rot [N,KV,hd], v [N,KV,hd]) -> [N,H,hd]
-AttnBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# Up to this many rows the product with the weight stored transposed ([in, out]) is faster
-# with MKL on the CPU: ~1.5-2x for one row (decode), 5-20% for 24-320 rows (the blend
-# probe's question rows, a blend's recomputed rows), while at 2k rows (a full prefill) the
-# [out, in] layout is ~3% ahead (interleaved A/B, 2-core AMD EPYC, qkv and gate/up shapes).
-# The 49k-wide LM head differs: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
-TRANSPOSED_MAX_ROWS = 512
-LM_HEAD_TRANSPOSED_MAX_ROWS = 2
-
-
-def project(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor | None, max_rows: int = TRANSPOSED_MAX_ROWS
-            ) -> torch.Tensor:
-    """x @ w.T, with `w_t` (w transposed, contiguous; kept on the CPU for the wide
-    projections) for up to `max_rows` rows."""
-    if w_t is not None and x.shape[0] <= max_rows:
-        return torch.mm(x, w_t)
-    return F.linear(x, w)
+        return model_args(path)
 
 
 class Block(nn.Module):
@@ -135,15 +57,18 @@ class Block(nn.Module):
         self.idx = idx
         self.args = args
         hd = args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
         self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
         self.input_norm = RMSNorm(args.dim, args.norm_eps)
         self.post_norm = RMSNorm(args.dim, args.norm_eps)
+        self.bqkv: torch.Tensor | None = None  # the q/k/v biases side by side (Qwen2)
         self.wqkv_t: torch.Tensor | None = None  # transposed copies for few-row products (see `project`)
         self.w_gate_up_t: torch.Tensor | None = None
 
@@ -155,14 +80,24 @@ class Block(nn.Module):
         self.wqkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         for lin, w in zip((self.q_proj, self.k_proj, self.v_proj), self.wqkv.split(sizes), strict=True):
             lin.weight = nn.Parameter(w, requires_grad=False)
+        if a.qkv_bias:
+            self.bqkv = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            for lin, b in zip((self.q_proj, self.k_proj, self.v_proj), self.bqkv.split(sizes), strict=True):
+                lin.bias = nn.Parameter(b, requires_grad=False)
         self.w_gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         for lin, w in zip((self.gate_proj, self.up_proj), self.w_gate_up.chunk(2), strict=True):
             lin.weight = nn.Parameter(w, requires_grad=False)
 
     def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:
-        """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]."""
+        """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]
+        (q and k normalised per head first where the family has q/k norms)."""
         a = self.args
-        return project(self.input_norm(h), self.wqkv, self.wqkv_t).view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
+        x = project(self.input_norm(h), self.wqkv, self.wqkv_t, bias=self.bqkv)
+        x = x.view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
+        if self.q_norm is None:
+            return x
+        q, k, v = x.split([a.n_heads, a.n_kv_heads, a.n_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Un-rotated q, k and v of hidden states h [N, dim]."""
@@ -171,7 +106,7 @@ class Block(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
-        h = h + F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_proj.weight)
+        h = h + F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
         gate, up = project(self.post_norm(h), self.w_gate_up, self.w_gate_up_t).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, self.down_proj.weight)
 
@@ -200,7 +135,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len)
+        self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len, args.rope_scaling)
         self.lm_head_t: torch.Tensor | None = None
 
     def keep_transposed(self) -> None:
@@ -237,6 +172,8 @@ _HF_NAMES = {
     "self_attn.k_proj": "k_proj",
     "self_attn.v_proj": "v_proj",
     "self_attn.o_proj": "o_proj",
+    "self_attn.q_norm": "q_norm",
+    "self_attn.k_norm": "k_norm",
     "mlp.gate_proj": "gate_proj",
     "mlp.up_proj": "up_proj",
     "mlp.down_proj": "down_proj",
@@ -276,6 +213,10 @@ def load_transformer(path: Path, dtype: torch.dtype, device: torch.device | str 
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise ValueError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]} ...")
+    extra = set(state) - set(model.state_dict())
+    if extra:
+        raise ValueError(f"checkpoint {path} has tensors its {args.model_type} config does not describe: "
+                         f"{sorted(extra)[:5]} ...")
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

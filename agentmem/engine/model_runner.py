@@ -12,17 +12,22 @@ from .block_manager import BlockManager
 from .kernels import paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool
+from .layers import visible
 from .model import Transformer
 from .scheduler import Scheduled
 from .sequence import Sequence
 
 
-def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of a prompt chunk at positions start.. over keys 0..start+n-1.
-    q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None
+                 ) -> torch.Tensor:
+    """Causal attention of a prompt chunk at positions start.. over keys 0..start+n-1 (only
+    the last `window` of them, with a sliding window). q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
+    n = q.shape[0]
+    if window is not None and start + n > window:
+        pos = torch.arange(start + n, device=q.device)
+        return sdpa(q, k, v, visible(pos[start:], pos, window))
     if start == 0:
         return sdpa(q, k, v)
-    n = q.shape[0]
     if start < n and not q.is_cuda:
         # the causal kernel skips the masked half that a mask makes the CPU compute; padding
         # the `start` earlier rows with zero queries is cheaper than that while start < n
@@ -45,14 +50,16 @@ class ModelRunner:
     def _decode_attention(self, seqs: list[Sequence]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """attn(layer, q [B,H,hd]) for one decode query per sequence over its paged keys.
 
-        On CUDA it is the paged Triton kernel. Elsewhere the work that does not depend on the
+        On CUDA it is the paged Triton kernel (full attention only: a sliding-window model
+        takes the gather path below, whose mask also applies the window). Elsewhere the work that does not depend on the
         layer is done once per step: the flat pool slots of every sequence's keys (padded with
         its own first slot, then masked) and the mask; each layer is then one gather of K and
         of V and one SDPA call. Only written slots are ever read, so the garbage of a fresh
         block (the pool is not zeroed) cannot leak NaN into the softmax."""
         lens = [s.num_computed + 1 for s in seqs]
         pool = self.pool
-        if self.device.type == "cuda":
+        window = self.model.args.sliding_window
+        if self.device.type == "cuda" and window is None:
             width = max(len(s.block_table) for s in seqs)
             tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
             lens_t = self._tensor(lens, torch.int32)
@@ -64,8 +71,13 @@ class ModelRunner:
             idx += slots + slots[:1] * (width - n)
         idx_t = self._tensor(idx)
         mask = None
-        if min(lens) < width:
-            mask = (torch.arange(width, device=self.device)[None, :] < self._tensor(lens)[:, None])[:, None, None, :]
+        if min(lens) < width or (window is not None and width > window):
+            slot = torch.arange(width, device=self.device)[None, :]
+            lens_t = self._tensor(lens)[:, None]
+            mask = slot < lens_t
+            if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
+                mask &= slot >= lens_t - window
+            mask = mask[:, None, None, :]
         b, kv_heads, hd = len(seqs), pool.k.shape[-2], pool.k.shape[-1]
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:
@@ -106,19 +118,20 @@ class ModelRunner:
             row += sc.n
         slots_t = self._tensor(slots)
         pool = self.pool
+        window = self.model.args.sliding_window
 
         def attn(i, q, k_raw, k_rot, v):
             pool.write(i, slots_t, k_rot, v)
             if not chunks:
                 return decode_attn(i, q)
             if n_dec == 0 and len(chunks) == 1 and chunks[0][2] == 0:
-                return attend_chunk(q, k_rot, v, 0)  # a first chunk sees only itself
+                return attend_chunk(q, k_rot, v, 0, window)  # a first chunk sees only itself
             out = torch.empty_like(q)
             if n_dec:
                 out[:n_dec] = decode_attn(i, q[:n_dec])
             for off, n, start, table in chunks:
                 k, vv = pool.gather(i, table, start + n)
-                out[off : off + n] = attend_chunk(q[off : off + n], k, vv, start)
+                out[off : off + n] = attend_chunk(q[off : off + n], k, vv, start, window)
             return out
 
         logits = self.model(self._tensor(ids), self._tensor(pos), attn, logits_at=self._tensor(rows))

@@ -7,11 +7,18 @@ there is nothing to stall then, and one large forward is faster than many small 
 room in the batch and in the KV pool. When a decode needs a block and the pool is full, the
 most recently admitted sequence is preempted: its blocks are freed and it is recomputed later
 (its full blocks usually stay cached, so the recompute is mostly prefix hits).
+
+Tenants share the batch fairly: a sequence's tenant is its `salt` (the KV namespace). No
+tenant may hold more than `tenant_cap` of the batch's slots (default: all but an eighth,
+so a tenant running 16 streams still leaves room for another tenant's one), waiting
+requests are admitted tenant by tenant, the tenant with the fewest running first (first
+come, first served within a tenant), prompt chunks are handed out in the same order, and
+preemption takes the newest sequence of the tenant holding the most.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager, NoFreeBlocks
@@ -26,11 +33,13 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, prefill_chunk: int, idle_chunk: int = 8192):
+    def __init__(self, blocks: BlockManager, max_batch: int, prefill_chunk: int, idle_chunk: int = 8192,
+                 tenant_cap: int | None = None):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
         self.blocks = blocks
         self.max_batch = max_batch
+        self.tenant_cap = max(1, tenant_cap if tenant_cap else max_batch - max(1, max_batch // 8))
         self.prefill_chunk = prefill_chunk
         self.idle_chunk = max(idle_chunk, prefill_chunk)
         self.waiting: deque[Sequence] = deque()
@@ -51,6 +60,25 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
 
+    def _running_per_tenant(self) -> Counter:
+        return Counter(seq.salt for seq in self.running)
+
+    def _victim(self) -> Sequence:
+        """The newest sequence of the tenant with the most running."""
+        counts = self._running_per_tenant()
+        heaviest = max(counts, key=lambda t: counts[t])
+        return next(seq for seq in reversed(self.running) if seq.salt == heaviest)
+
+    def _next_waiting(self, counts: Counter) -> Sequence | None:
+        """The oldest waiting sequence of the tenant with the fewest running, among tenants
+        under the cap."""
+        best: Sequence | None = None
+        for seq in self.waiting:
+            n = counts[seq.salt]
+            if n < self.tenant_cap and (best is None or n < counts[best.salt]):
+                best = seq
+        return best
+
     def _preempt(self, seq: Sequence) -> None:
         self.preemptions += 1
         self.running.remove(seq)
@@ -68,25 +96,31 @@ class Scheduler:
                     batch.append(Scheduled(seq, 1))
                     break
                 except NoFreeBlocks:
-                    victim = self.running[-1]
+                    victim = self._victim()
                     self._preempt(victim)
                     batch = [s for s in batch if s.seq is not victim]
                     if victim is seq:
                         break
         budget = full = self.prefill_chunk if batch else self.idle_chunk
-        for seq in self.running:
-            if seq.num_pending > 1 and budget > 0:
+        counts = self._running_per_tenant()
+        # prompt chunks: the tenants running least go first (a flood's prefills queue behind
+        # a quiet tenant's, never the reverse); sorted() keeps arrival order within a tenant
+        for seq in sorted((s for s in self.running if s.num_pending > 1), key=lambda s: counts[s.salt]):
+            if budget > 0:
                 n = min(seq.num_pending, budget)
                 batch.append(Scheduled(seq, n))
                 budget -= n
         while self.waiting and len(self.running) < self.max_batch and budget > 0:
-            seq = self.waiting[0]
+            seq = self._next_waiting(counts)
+            if seq is None:
+                break  # every waiting tenant is at its cap
             plan = seq.parts is not None
             if plan and budget < full:
                 break  # a planner prefill runs alone in its step's prefill budget
             if not self.blocks.can_allocate(seq, reserve=len(self.running)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            counts[seq.salt] += 1
             self.blocks.allocate(seq)
             self.running.append(seq)
             n = seq.num_pending if plan else min(seq.num_pending, budget)

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.kernels import rope, selected_attention
+from ..engine.kernels.reference import sdpa
+from ..engine.layers import visible
 from ..engine.model import Transformer
 from ..engine.model_runner import attend_chunk
 from .store import ChunkKV
@@ -82,18 +84,14 @@ class Fused:
 
 
 def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate pre-RoPE K [L, n, KV, hd] of every layer to `positions` [n] in one call: the
-    Triton kernel on CUDA; on the CPU the model's own tables and arithmetic (x*cos +
-    flip(x)*signed sin, as Rotary.apply), bit-identical to its forward, in K's own layout."""
+    """Rotate pre-RoPE K [L, n, KV, hd] of every layer to `positions` [n] in one call, with
+    that model's RoPE (its scaling included): the Triton kernel on CUDA (fed the model's
+    inverse frequencies); on the CPU the model's own Rotary, bit-identical to its forward."""
     layers, n, kv_heads, hd = k.shape
     if k.is_cuda:
         x = rope(k.transpose(0, 1).reshape(n, layers * kv_heads, hd), positions, model.rotary.inv_freq)
         return x.view(n, layers, kv_heads, hd).transpose(0, 1)
-    cos, sin = model.rotary.cos_sin(positions)
-    kf = k if k.dtype == torch.float32 else k.float()
-    swapped = kf.view(layers, n, kv_heads, 2, hd // 2).flip(3).view(layers, n, kv_heads, hd)
-    out = torch.addcmul(kf * cos[None, :, None, :], swapped, sin[None, :, None, :])
-    return out if out.dtype == k.dtype else out.to(k.dtype)
+    return model.rotary.apply(k, positions)
 
 
 def fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -122,11 +120,14 @@ class RowAttention:
     [KV, keys, hd]), so SDPA runs as plain multi-head attention instead of expanding K/V to
     every query head as `enable_gqa` does. On the benchmark's rows (~320 of 2k tokens, skewed
     late) this takes ~20% less time than the per-head layout with a mask built per call.
-    On CUDA the Triton kernel skips masked keys itself."""
+    On CUDA the Triton kernel skips masked keys itself (a sliding-window model takes SDPA
+    with the window's mask there)."""
 
-    def __init__(self, q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, blocks: int = 4):
+    def __init__(self, q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, blocks: int = 4,
+                 window: int | None = None):
         self.q_pos = q_pos
         self.k_pos = torch.arange(n_keys, device=q_pos.device)
+        self.window = window
         self.parts: list[tuple[int, int, int, torch.Tensor]] = []
         if q_pos.is_cuda:
             return
@@ -135,12 +136,14 @@ class RowAttention:
         cuts = [round(n * i / blocks) for i in range(blocks + 1)]
         for s, e in zip(cuts, cuts[1:], strict=False):
             end = int(q_pos[e - 1]) + 1
-            _, bias = causal_bias(q_pos[s:e], end, group, dtype, first=0)
+            _, bias = causal_bias(q_pos[s:e], end, group, dtype, first=0, window=window)
             self.parts.append((s, e, end, bias[None, None]))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [Nq,H,hd] at the rows, k/v [n_keys,KV,hd] -> [Nq,H,hd]."""
         if not self.parts:
+            if self.window is not None:
+                return sdpa(q, k, v, visible(self.q_pos, self.k_pos, self.window))
             return selected_attention(q, k, v, self.q_pos, self.k_pos)
         kv_heads = k.shape[1]
         out = torch.empty_like(q)
@@ -153,16 +156,16 @@ class RowAttention:
 
 
 def causal_bias(q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype = torch.float32,
-                first: int | None = None) -> tuple[int, torch.Tensor]:
+                first: int | None = None, window: int | None = None) -> tuple[int, torch.Tensor]:
     """The additive causal mask of queries at `q_pos` over keys first..n_keys-1, in the
     grouped row order (group, query): [g*Nq, n_keys - first]. Keys before the first query's
-    position are seen by every query, so by default the mask starts there; `first` = 0 gives
-    the whole mask (no queries: an empty one)."""
+    position are seen by every query (without a sliding `window`), so by default the mask
+    starts there; `first` = 0 gives the whole mask (no queries: an empty one)."""
     if first is None:
-        first = int(q_pos.min()) if len(q_pos) else n_keys
+        first = 0 if window is not None else int(q_pos.min()) if len(q_pos) else n_keys
     k_pos = torch.arange(first, n_keys, device=q_pos.device)
     bias = torch.zeros(len(q_pos), n_keys - first, device=q_pos.device, dtype=dtype)
-    bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    bias.masked_fill_(~visible(q_pos, k_pos, window), float("-inf"))
     return first, bias.repeat(group, 1)
 
 
@@ -177,10 +180,11 @@ def _attention_probs(q: torch.Tensor, k: torch.Tensor, bias: tuple[int, torch.Te
     return torch.softmax(scores, dim=-1)
 
 
-def _attention_share(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def _attention_share(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, window: int | None = None
+                     ) -> torch.Tensor:
     """How much attention queries q [Nq,H,hd] at q_pos pay to each key of k [T,KV,hd] (at
     0..T-1), summed over queries and heads: [T]."""
-    bias = causal_bias(q_pos, k.shape[0], q.shape[1] // k.shape[1])
+    bias = causal_bias(q_pos, k.shape[0], q.shape[1] // k.shape[1], window=window)
     return _attention_probs(q, k, bias).sum((0, 1))
 
 
@@ -205,7 +209,8 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
     where the cached KV is stale. Their K/V is written into k_all/v_all; the blend pass
     overwrites it at every layer."""
     cos_sin = model.rotary.cos_sin(rows)  # rows are positions
-    bias = causal_bias(rows, k_all.shape[1], model.args.n_heads // model.args.n_kv_heads)
+    bias = causal_bias(rows, k_all.shape[1], model.args.n_heads // model.args.n_kv_heads,
+                       window=model.args.sliding_window)
     share = torch.zeros(k_all.shape[1], device=k_all.device)
     for layer in model.layers[first_layer:]:
         def attn(idx, q, k_raw, k_rot, v):
@@ -432,7 +437,8 @@ def fuse(
     def row_tables(rows, start) -> tuple[tuple[torch.Tensor, torch.Tensor], RowAttention | None]:
         """What every layer reuses while the rows stay the same: their RoPE tables, and the
         attention plan when they are not one contiguous run."""
-        return model.rotary.cos_sin(rows), (None if start is not None else RowAttention(rows, n_tok, group, dtype))
+        return model.rotary.cos_sin(rows), (None if start is not None
+                                            else RowAttention(rows, n_tok, group, dtype, window=a.sliding_window))
 
     cos_sin, row_attn = row_tables(rows, start)
     for i, layer in enumerate(model.layers):
@@ -445,7 +451,7 @@ def fuse(
                 if metric in ("attn", "vattn"):
                     k_now = k_l.clone()
                     k_now[start:] = k_rot
-                    share = _attention_share(q[new_rows], k_now, pos[new_idx])[cached_idx]
+                    share = _attention_share(q[new_rows], k_now, pos[new_idx], a.sliding_window)[cached_idx]
                     d = share if metric == "attn" else d * share
                 picked.append(_pick(cached_idx, d, ratio, drifts))
             if drifts is not None and unsel is not None and len(unsel):
@@ -459,7 +465,7 @@ def fuse(
             if new_k_raw is not None:
                 new_k_raw[idx] = k_raw[new_rows]
             if start is not None:
-                return attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start)
+                return attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start, a.sliding_window)
             return row_attn(q, k_l, v_l)
 
         h = layer(h, rows, model.rotary, attn, cos_sin)

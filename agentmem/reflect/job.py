@@ -182,6 +182,7 @@ def _integrate(fact: Fact, facts: _UserFacts, report: ReflectReport, compressor:
         kind="fact",
         event_time=fact.event_time,
         compressed_text=compressed,
+        create_user=False,
     )
     facts.seen.add((fact.source_id, fact.text))
     report.facts_added.append(new.id)
@@ -239,7 +240,8 @@ def _write_insights(facts: _UserFacts, compressor: Compressor | None) -> list[in
         compressed = compress_memory(compressor, text, "insight") if compressor else None
         written.append(
             store.add_memory(
-                t, u, text, importance, source_ids=sources, kind="insight", compressed_text=compressed
+                t, u, text, importance, source_ids=sources, kind="insight", compressed_text=compressed,
+                create_user=False,
             )
         )
     for stale in by_text.values():
@@ -272,7 +274,7 @@ def _update_human_block(store: MemoryStore, tenant_id: str, user_id: str, facts:
             lines.append(line)
     value = "\n".join(lines)
     if current is None or current.value != value:
-        store.set_core_block(tenant_id, user_id, HUMAN_BLOCK, value, limit)
+        store.set_core_block(tenant_id, user_id, HUMAN_BLOCK, value, limit, create_user=False)
 
 
 def _backfill_compressed(

@@ -9,15 +9,19 @@ to the newest Alembic revision when the archive opens.
 from __future__ import annotations
 
 import fcntl
+import os
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from contextvars import ContextVar
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import create_engine, delete, event, func, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from . import ids as row_ids
 from . import lexical
 from . import records as R
 from .keys import attachment_text, message_text
@@ -27,8 +31,11 @@ from .schema import (
     ApiKeyRow,
     CoreBlockEditRow,
     CoreBlockRow,
+    DeletedTenantRow,
+    IdempotencyRow,
     MemoryRow,
     MessageRow,
+    RowIdSecretRow,
     SessionRow,
     SummaryRow,
     TenantRow,
@@ -38,9 +45,12 @@ from .schema import (
     to_db_time,
     utcnow,
 )
+from .sizes import KIND_CHARS, LABEL_CHARS, MAX_BLOCK_LIMIT, NAME_CHARS, SESSION_ID_CHARS, USER_ID_CHARS
 
 ROLES = ("system", "user", "assistant", "tool")
 MEMORY_STATUSES = ("active", "superseded")
+IDEMPOTENCY_TTL = timedelta(days=1)
+IDEMPOTENCY_RUN_TIMEOUT = timedelta(minutes=10)  # a claim older than this was abandoned by a dead process
 DEFAULT_BLOCK_LIMIT = 2000  # characters; MemGPT's default core block size
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_MIGRATION_LOCK = 0x61676D656D  # any constant shared by every agentmem process
@@ -68,10 +78,10 @@ def clean_text(text: str | bytes, what: str = "text", allow_empty: bool = False)
     return text
 
 
-def _scope_id(value: str, what: str) -> str:
+def _scope_id(value: str, what: str, max_chars: int = NAME_CHARS) -> str:
     value = clean_text(value, what)
-    if len(value) > 200:
-        raise InvalidInput(f"{what} is longer than 200 characters")
+    if len(value) > max_chars:
+        raise InvalidInput(f"{what} is longer than {max_chars} characters")
     return value
 
 
@@ -105,34 +115,61 @@ def _migration_lock(engine) -> Iterator[None]:
 
 
 class Archive:
-    def __init__(self, url: str):
+    def __init__(self, url: str, sync: str = "normal"):
+        """`sync`: SQLite's synchronous mode, "normal" or "full" (power-loss durable)."""
+        if sync not in ("normal", "full"):
+            raise ValueError(f"db sync must be 'normal' or 'full', got {sync!r}")
         self.url = url
         sqlite = url.startswith("sqlite")
         self.engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {},
                                     pool_pre_ping=not sqlite)
         if sqlite:
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+            _private_file(self.engine.url.database)
+            event.listen(self.engine, "connect", lambda conn, _: _sqlite_pragmas(conn, sync))
         with _migration_lock(self.engine), self.engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("select pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             migrate(conn)
             lexical.ensure_index(conn)
+        with self.engine.connect() as conn:
+            secret = conn.execute(select(RowIdSecretRow.secret).where(RowIdSecretRow.id == 1)).scalar_one()
+            floor = max(conn.scalar(select(func.coalesce(func.max(t.id), 0))) for t in (MessageRow, MemoryRow, TurnRow))
+        row_ids.register(self.engine, row_ids.IdMaker(bytes(secret), int(floor)))
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._current: ContextVar[Session | None] = ContextVar(f"archive_tx_{id(self)}", default=None)
 
     def close(self) -> None:
         self.engine.dispose()
 
     @contextmanager
     def tx(self) -> Iterator[Session]:
+        """A transaction, committed when the block ends. Nested in another `tx` of the same
+        thread it joins that one, so several archive calls (an import's sessions, messages,
+        memories and blocks) commit together or not at all."""
+        outer = self._current.get()
+        if outer is not None:
+            yield outer
+            return
         with self._sessions() as s, s.begin():
-            yield s
+            token = self._current.set(s)
+            try:
+                yield s
+            finally:
+                self._current.reset(token)
 
     # --- tenants and keys --------------------------------------------------------------------
     def ensure_tenant(self, tenant_id: str, name: str | None = None) -> None:
+        """Create the tenant unless it exists; a deleted tenant is never recreated (NotFound)."""
         tenant_id = _scope_id(tenant_id, "tenant_id")
         with self.tx() as s:
-            if s.get(TenantRow, tenant_id) is None:
-                s.add(TenantRow(id=tenant_id, name=name or tenant_id))
+            self._tenant_in(s, tenant_id, name)
+
+    def _tenant_in(self, s: Session, tenant_id: str, name: str | None = None) -> None:
+        if s.get(TenantRow, tenant_id) is not None:
+            return
+        if s.get(DeletedTenantRow, tenant_id) is not None:
+            raise NotFound(f"tenant {tenant_id!r} not found")
+        _add_once(s, TenantRow(id=tenant_id, name=name or tenant_id))
 
     def create_tenant(self, name: str) -> str:
         name = _scope_id(name, "tenant name")
@@ -150,9 +187,11 @@ class Archive:
         with self.tx() as s:
             if s.get(TenantRow, tenant_id) is None:
                 raise NotFound(f"tenant {tenant_id!r} not found")
-            for table in (*_USER_TABLES, ApiKeyRow, UserRow):
+            for table in (*_USER_TABLES, IdempotencyRow, ApiKeyRow, UserRow):
                 s.execute(delete(table).where(table.tenant_id == tenant_id))
             s.execute(delete(TenantRow).where(TenantRow.id == tenant_id))
+            s.add(DeletedTenantRow(id=tenant_id))
+        self._scrub()
 
     def add_api_key(self, tenant_id: str, key_hash: str, name: str = "") -> None:
         with self.tx() as s:
@@ -164,13 +203,68 @@ class Archive:
         with self.tx() as s:
             return s.scalar(select(ApiKeyRow.tenant_id).where(ApiKeyRow.key_hash == key_hash))
 
+    # --- idempotency keys ---------------------------------------------------------------------
+    def claim_idempotency_key(self, tenant_id: str, key: str, fingerprint: str,
+                              user_id: str | None) -> tuple[str, tuple[int, str, bytes] | None]:
+        """("new", None): the caller runs the request and then finishes or releases the key;
+        ("done", (status, content_type, body)): replay that; ("busy", None): the first
+        request still runs; ("mismatch", None): the key belongs to another request."""
+        try:
+            return self._claim(tenant_id, key, fingerprint, user_id)
+        except IntegrityError:  # SQLite: another request claimed it between our read and insert
+            return self._claim(tenant_id, key, fingerprint, user_id)
+
+    def _claim(self, tenant_id: str, key: str, fingerprint: str,
+               user_id: str | None) -> tuple[str, tuple[int, str, bytes] | None]:
+        now = utcnow()
+        with self.tx() as s:
+            row = s.get(IdempotencyRow, (tenant_id, key))
+            stale = row is not None and (now - row.created_at > IDEMPOTENCY_TTL
+                                         or (row.status is None and now - row.created_at > IDEMPOTENCY_RUN_TIMEOUT))
+            if stale:
+                s.delete(row)
+                s.flush()
+                row = None
+            if row is None:
+                claim = IdempotencyRow(tenant_id=tenant_id, key=key, fingerprint=fingerprint,
+                                       user_id=user_id if user_id and len(user_id) <= NAME_CHARS else None)
+                if _add_once(s, claim):
+                    return "new", None
+                row = s.get(IdempotencyRow, (tenant_id, key))
+            if row.fingerprint != fingerprint:
+                return "mismatch", None
+            if row.status is None:
+                return "busy", None
+            return "done", (row.status, row.content_type or "application/json", bytes(row.body or b""))
+
+    def finish_idempotency_key(self, tenant_id: str, key: str, status: int, content_type: str, body: bytes) -> None:
+        with self.tx() as s:
+            row = s.get(IdempotencyRow, (tenant_id, key))
+            if row is not None:
+                row.status, row.content_type, row.body = status, content_type, body
+
+    def release_idempotency_key(self, tenant_id: str, key: str) -> None:
+        with self.tx() as s:
+            s.execute(delete(IdempotencyRow).where(IdempotencyRow.tenant_id == tenant_id, IdempotencyRow.key == key,
+                                                   IdempotencyRow.status.is_(None)))
+
     # --- users and sessions -----------------------------------------------------------------
     def ensure_user(self, tenant_id: str, user_id: str) -> None:
-        self.ensure_tenant(tenant_id)
-        user_id = _scope_id(user_id, "user_id")
         with self.tx() as s:
-            if s.get(UserRow, (tenant_id, user_id)) is None:
-                s.add(UserRow(tenant_id=tenant_id, id=user_id))
+            self._user_in(s, tenant_id, user_id)
+
+    def _user_in(self, s: Session, tenant_id: str, user_id: str, create: bool = True) -> str:
+        """The user inside a write's own transaction, so that a write that fails leaves no
+        user (or tenant) behind. `create=False` (background work such as reflection) never
+        brings back a user deleted meanwhile."""
+        user_id = _scope_id(user_id, "user_id", USER_ID_CHARS)
+        if s.get(UserRow, (tenant_id, user_id)) is not None:
+            return user_id
+        if not create:
+            raise NotFound(f"user {user_id!r} not found")
+        self._tenant_in(s, _scope_id(tenant_id, "tenant_id"))
+        _add_once(s, UserRow(tenant_id=tenant_id, id=user_id))
+        return user_id
 
     def user_exists(self, tenant_id: str, user_id: str) -> bool:
         with self.tx() as s:
@@ -185,22 +279,36 @@ class Archive:
         with self.tx() as s:
             if s.get(UserRow, (tenant_id, user_id)) is None:
                 raise NotFound(f"user {user_id!r} not found")
-            for table in _USER_TABLES:
+            for table in (*_USER_TABLES, IdempotencyRow):
                 s.execute(delete(table).where(table.tenant_id == tenant_id, table.user_id == user_id))
             s.execute(delete(UserRow).where(UserRow.tenant_id == tenant_id, UserRow.id == user_id))
+        self._scrub()
+
+    def _scrub(self) -> None:
+        """After a deletion, leave no copy of the deleted text in the files: full-text index
+        segments still holding it are merged away, and the WAL (where the rows' last
+        versions live) is checkpointed into the database (whose freed bytes `secure_delete`
+        zeroed) and truncated. PostgreSQL: its own VACUUM reclaims dead tuples."""
+        if self.engine.dialect.name != "sqlite" or self._current.get() is not None:
+            return
+        with self.engine.begin() as conn:
+            if conn.execute(text("select 1 from sqlite_master where name = 'message_fts'")).first():
+                conn.execute(text("insert into message_fts(message_fts) values ('optimize')"))
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def open_session(self, tenant_id: str, user_id: str, session_id: str | None = None,
                      agent_id: str = "default") -> R.SessionInfo:
         """Resume `session_id` (it must be this user's) or start a new one."""
-        self.ensure_user(tenant_id, user_id)
+        if session_id is not None:
+            session_id = _scope_id(session_id, "session_id", SESSION_ID_CHARS)
         with self.tx() as s:
+            self._user_in(s, tenant_id, user_id)
             if session_id is not None:
-                row = s.get(SessionRow, session_id)
+                row = s.get(SessionRow, (tenant_id, user_id, session_id))
                 if row is not None:
-                    if (row.tenant_id, row.user_id) != (tenant_id, user_id):
-                        raise NotFound(f"session {session_id!r} not found")
                     return self._session_info(s, row)
-            row = SessionRow(id=_scope_id(session_id or uuid.uuid4().hex, "session_id"), tenant_id=tenant_id,
+            row = SessionRow(id=session_id or uuid.uuid4().hex, tenant_id=tenant_id,
                              user_id=user_id, agent_id=agent_id)
             s.add(row)
             s.flush()
@@ -213,12 +321,12 @@ class Archive:
             return [self._session_info(s, r) for r in rows]
 
     def _session_info(self, s: Session, row: SessionRow) -> R.SessionInfo:
-        n = s.scalar(select(func.count()).select_from(MessageRow).where(MessageRow.session_id == row.id))
+        n = s.scalar(select(func.count()).select_from(MessageRow).where(
+            MessageRow.tenant_id == row.tenant_id, MessageRow.user_id == row.user_id, MessageRow.session_id == row.id))
         return R.SessionInfo(row.id, row.user_id, row.agent_id, from_db_time(row.created_at), int(n or 0))
 
     def _check_session(self, s: Session, tenant_id: str, user_id: str, session_id: str) -> None:
-        row = s.get(SessionRow, session_id)
-        if row is None or (row.tenant_id, row.user_id) != (tenant_id, user_id):
+        if s.get(SessionRow, (tenant_id, user_id, session_id)) is None:
             raise NotFound(f"session {session_id!r} not found")
 
     # --- messages ----------------------------------------------------------------------------
@@ -360,17 +468,29 @@ class Archive:
     # --- memories ----------------------------------------------------------------------------
     def add_memory(self, tenant_id: str, user_id: str, text: str, importance: float = 0.5,
                    source_ids: Iterable[int] = (), kind: str = "fact", event_time: datetime | None = None,
-                   compressed_text: str | None = None) -> R.Memory:
-        text = clean_text(text, "memory text")
-        importance = _importance(importance)
-        self.ensure_user(tenant_id, user_id)
+                   compressed_text: str | None = None, create_user: bool = True) -> R.Memory:
         with self.tx() as s:
-            row = MemoryRow(tenant_id=tenant_id, user_id=user_id, kind=clean_text(kind, "kind"), text=text,
-                            compressed_text=compressed_text, importance=importance, status="active",
-                            source_ids=[int(i) for i in source_ids], event_time=to_db_time(event_time))
+            self._user_in(s, tenant_id, user_id, create_user)
+            row = self._memory_new(tenant_id, user_id, text, importance, source_ids, kind, event_time,
+                                   compressed_text)
             s.add(row)
             s.flush()
             return _memory(row)
+
+    @staticmethod
+    def _memory_new(tenant_id: str, user_id: str, text: str, importance, source_ids: Iterable[int], kind: str,
+                    event_time, compressed_text: str | None) -> MemoryRow:
+        """A validated memory row (nothing is written)."""
+        kind = _scope_id(kind, "kind", KIND_CHARS)
+        if compressed_text is not None:
+            compressed_text = clean_text(compressed_text, "compressed text")
+        try:
+            sources = [int(i) for i in source_ids]
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidInput("source_ids must be message ids") from None
+        return MemoryRow(tenant_id=tenant_id, user_id=user_id, kind=kind, text=clean_text(text, "memory text"),
+                         compressed_text=compressed_text, importance=_importance(importance), status="active",
+                         source_ids=sources, event_time=to_db_time(_as_time(event_time, "event_time")))
 
     def list_memories(self, tenant_id: str, user_id: str, status: str | None = None,
                       kind: str | None = None) -> list[R.Memory]:
@@ -415,6 +535,7 @@ class Archive:
     def delete_memory(self, tenant_id: str, user_id: str, memory_id: int) -> None:
         with self.tx() as s:
             s.delete(self._memory_row(s, tenant_id, user_id, memory_id))
+        self._scrub()
 
     def memory_versions(self, tenant_id: str, user_id: str) -> dict[int, datetime]:
         """id -> updated_at of every memory: what the recall index checks its freshness against."""
@@ -447,30 +568,37 @@ class Archive:
             return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at)) for r in rows]
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
-                       limit: int | None = None) -> R.CoreBlock:
+                       limit: int | None = None, create_user: bool = True) -> R.CoreBlock:
         """Set a block's value, keeping the old one in the edit history. Over the block's
         size limit is an error, not a silent cut: the caller decides what to drop."""
-        label = clean_text(label, "block label")
-        if len(label) > 64 or not label.replace("_", "").replace("-", "").isalnum():
-            raise InvalidInput(f"block label must be up to 64 letters, digits, '_' or '-', got {label!r}")
-        value = clean_text(value, "block value", allow_empty=True)
-        self.ensure_user(tenant_id, user_id)
         with self.tx() as s:
-            row = s.get(CoreBlockRow, (tenant_id, user_id, label))
-            if row is None:
-                row = CoreBlockRow(tenant_id=tenant_id, user_id=user_id, label=label, value="",
-                                   char_limit=limit or DEFAULT_BLOCK_LIMIT)
-                s.add(row)
-            if limit is not None:
-                row.char_limit = int(limit)
-            if len(value) > row.char_limit:
-                raise InvalidInput(f"block {label!r} is limited to {row.char_limit} characters, got {len(value)}")
-            if value != row.value:
-                s.add(CoreBlockEditRow(tenant_id=tenant_id, user_id=user_id, label=label, old_value=row.value,
-                                       new_value=value))
-                row.value, row.updated_at = value, utcnow()
-            s.flush()
-            return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at))
+            self._user_in(s, tenant_id, user_id, create_user)
+            return self._set_block_in(s, tenant_id, user_id, label, value, limit)
+
+    def _set_block_in(self, s: Session, tenant_id: str, user_id: str, label: str, value: str,
+                      limit: int | None) -> R.CoreBlock:
+        label = clean_text(label, "block label")
+        if len(label) > LABEL_CHARS or not label.replace("_", "").replace("-", "").isalnum():
+            raise InvalidInput(f"block label must be up to {LABEL_CHARS} letters, digits, '_' or '-', got {label!r}")
+        value = clean_text(value, "block value", allow_empty=True)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or not 1 <= limit <= MAX_BLOCK_LIMIT):
+            raise InvalidInput(f"block limit must be an integer in [1, {MAX_BLOCK_LIMIT}], got {limit!r}")
+        row = s.get(CoreBlockRow, (tenant_id, user_id, label))
+        if row is None:
+            row = CoreBlockRow(tenant_id=tenant_id, user_id=user_id, label=label, value="",
+                               char_limit=limit or DEFAULT_BLOCK_LIMIT)
+            s.add(row)
+        if limit is not None:
+            row.char_limit = int(limit)
+        if len(value) > row.char_limit:
+            raise InvalidInput(f"block {label!r} is limited to {row.char_limit} characters, got {len(value)}")
+        if value != row.value:
+            s.add(CoreBlockEditRow(tenant_id=tenant_id, user_id=user_id, label=label, old_value=row.value,
+                                   new_value=value))
+            row.value, row.updated_at = value, utcnow()
+        s.flush()
+        return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at))
 
     def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
         q = select(CoreBlockEditRow).where(CoreBlockEditRow.tenant_id == tenant_id, CoreBlockEditRow.user_id == user_id)
@@ -512,12 +640,25 @@ class Archive:
             return [R.Turn(r.id, r.session_id, r.trace, from_db_time(r.created_at)) for r in reversed(rows)]
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _sqlite_pragmas(dbapi_conn, sync: str) -> None:
+    """WAL; `secure_delete` zeroes deleted rows' bytes so a forgotten user's words do not
+    stay in free pages (the WAL is checkpointed after each deletion, see `_scrub`)."""
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute(f"PRAGMA synchronous={sync.upper()}")
     cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA secure_delete=ON")
     cur.close()
+
+
+def _private_file(db: str | None) -> None:
+    """Create the SQLite file 0600 before SQLite does (its -wal and -shm files take the
+    database file's mode)."""
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return
+    fd = os.open(db, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    os.chmod(db, 0o600)
 
 
 def _as_time(value, what: str) -> datetime | None:
@@ -554,3 +695,20 @@ def _memory(r: MemoryRow) -> R.Memory:
 
 def _summary(r: SummaryRow) -> R.Summary:
     return R.Summary(r.id, r.session_id, r.text, r.upto_message_id, from_db_time(r.created_at))
+
+
+def _add_once(s: Session, row) -> bool:
+    """Add a row that a concurrent transaction may be adding too (the first write of a new
+    user from two requests); whether this one added it. On PostgreSQL the loser's unique
+    violation is absorbed in a savepoint; SQLite serialises writers, so there is no such
+    race there."""
+    if s.bind.dialect.name != "postgresql":
+        s.add(row)
+        s.flush()
+        return True
+    try:
+        with s.begin_nested():
+            s.add(row)
+    except IntegrityError:
+        return False
+    return True

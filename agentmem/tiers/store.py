@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime
 
-from ..config import Config
+from ..config import Config, private_dir
 from . import records as R
 from .archive import Archive, clean_text
 from .recall import Recall
@@ -27,7 +27,8 @@ ForgetHook = Callable[[str, str | None], None]
 class MemoryStore:
     def __init__(self, config: Config | None = None, embedder=None):
         self.config = config or Config()
-        self.archive = Archive(self.config.resolved_db_url())
+        private_dir(self.config.data_dir)
+        self.archive = Archive(self.config.resolved_db_url(), self.config.db_sync)
         self._embedder = embedder
         self._embedder_lock = threading.Lock()
         url_key = hashlib.sha256(self.archive.url.encode()).hexdigest()[:16]
@@ -98,9 +99,10 @@ class MemoryStore:
     # --- memories ----------------------------------------------------------------------------
     def add_memory(self, tenant_id: str, user_id: str, text: str, importance: float = 0.5,
                    source_ids: Iterable[int] = (), kind: str = "fact", event_time: datetime | None = None,
-                   compressed_text: str | None = None) -> R.Memory:
+                   compressed_text: str | None = None, create_user: bool = True) -> R.Memory:
+        """`create_user=False`: background writers (reflection) never recreate a deleted user."""
         m = self.archive.add_memory(tenant_id, user_id, text, importance, source_ids, kind, event_time,
-                                    compressed_text)
+                                    compressed_text, create_user)
         self.recall.sync(tenant_id, user_id)
         return m
 
@@ -141,8 +143,8 @@ class MemoryStore:
         return self.archive.core_blocks(tenant_id, user_id)
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
-                       limit: int | None = None) -> R.CoreBlock:
-        return self.archive.set_core_block(tenant_id, user_id, label, value, limit)
+                       limit: int | None = None, create_user: bool = True) -> R.CoreBlock:
+        return self.archive.set_core_block(tenant_id, user_id, label, value, limit, create_user)
 
     def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
         return self.archive.core_block_history(tenant_id, user_id, label)
@@ -168,38 +170,60 @@ class MemoryStore:
         }
 
     def import_user(self, tenant_id: str, user_id: str, doc: dict) -> dict:
-        """Load an `export_user` document under (tenant_id, user_id). Rows get new ids; the
-        links between them (memory sources, superseded_by) are mapped. Returns counts."""
+        """Load an `export_user` document under (tenant_id, user_id) in one transaction: all
+        of it or, on any invalid row, none of it. Rows get new ids; the links between them
+        (memory sources, superseded_by) are mapped. Returns counts."""
         if not isinstance(doc, dict) or doc.get("version") != EXPORT_VERSION:
             raise R.InvalidInput(f"not an agentmem export (version {EXPORT_VERSION})")
-        self.archive.ensure_user(tenant_id, user_id)
+        messages, memories, blocks = (_rows(doc, k) for k in ("messages", "memories", "core_blocks"))
         msg_map: dict[int, int] = {}
-        by_session: dict[str, list[dict]] = {}
-        for m in doc.get("messages", []):
-            by_session.setdefault(m["session_id"], []).append(m)
-        for msgs in by_session.values():
-            sid = self.archive.open_session(tenant_id, user_id, None).id
-            stored = self.archive.append_messages(tenant_id, user_id, sid, [
-                {"role": m["role"], "content": m["text"], "created_at": m.get("created_at"),
-                 "event_time": m.get("event_time")} for m in msgs])
-            msg_map.update({int(m["id"]): s.id for m, s in zip(msgs, stored, strict=True)})
         mem_map: dict[int, int] = {}
-        mems = doc.get("memories", [])
-        for m in mems:
-            new = self.archive.add_memory(tenant_id, user_id, m["text"], m.get("importance", 0.5),
-                                          [msg_map[i] for i in m.get("source_ids", []) if i in msg_map],
-                                          m.get("kind", "fact"), _time(m.get("event_time")), m.get("compressed_text"))
-            mem_map[int(m["id"])] = new.id
-        for m in mems:
-            if m.get("status") == "superseded":
-                target = mem_map.get(m.get("superseded_by"))
-                self.archive.update_memory(tenant_id, user_id, mem_map[int(m["id"])], status="superseded",
-                                           superseded_by=target)
-        for b in doc.get("core_blocks", []):
-            self.archive.set_core_block(tenant_id, user_id, b["label"], b["value"], b.get("limit"))
+        with self.archive.tx():
+            self.archive.ensure_user(tenant_id, user_id)
+            by_session: dict[str, list[dict]] = {}
+            for m in messages:
+                by_session.setdefault(str(m.get("session_id")), []).append(m)
+            for msgs in by_session.values():
+                sid = self.archive.open_session(tenant_id, user_id, None).id
+                stored = self.archive.append_messages(tenant_id, user_id, sid, [
+                    {"role": m.get("role"), "content": m.get("text"), "created_at": m.get("created_at"),
+                     "event_time": m.get("event_time")} for m in msgs])
+                msg_map.update({_doc_id(m.get("id"), "message"): s.id for m, s in zip(msgs, stored, strict=True)})
+            for m in memories:
+                sources = [msg_map[i] for i in _ids(m.get("source_ids", []), "source_ids") if i in msg_map]
+                new = self.archive.add_memory(tenant_id, user_id, m.get("text"), m.get("importance", 0.5), sources,
+                                              m.get("kind", "fact"), m.get("event_time"), m.get("compressed_text"))
+                mem_map[_doc_id(m.get("id"), "memory")] = new.id
+            for m in memories:
+                if m.get("status", "active") not in ("active", "superseded"):
+                    raise R.InvalidInput(f"memory status must be active or superseded, got {m.get('status')!r}")
+                if m.get("status") == "superseded":
+                    target = m.get("superseded_by")
+                    self.archive.update_memory(tenant_id, user_id, mem_map[_doc_id(m.get("id"), "memory")],
+                                               status="superseded",
+                                               superseded_by=None if target is None else mem_map.get(
+                                                   _doc_id(target, "superseded_by")))
+            for b in blocks:
+                self.archive.set_core_block(tenant_id, user_id, b.get("label"), b.get("value"), b.get("limit"))
         self.recall.sync(tenant_id, user_id)
-        return {"messages": len(msg_map), "memories": len(mem_map), "core_blocks": len(doc.get("core_blocks", []))}
+        return {"messages": len(msg_map), "memories": len(mem_map), "core_blocks": len(blocks)}
 
 
-def _time(value):
-    return datetime.fromisoformat(value) if isinstance(value, str) else value
+def _rows(doc: dict, key: str) -> list[dict]:
+    rows = doc.get(key, [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise R.InvalidInput(f"{key} must be a list of objects")
+    return rows
+
+
+def _doc_id(value, what: str) -> int:
+    """An id of the document (only used to link its rows): an integer, nothing else."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise R.InvalidInput(f"{what} id must be an integer, got {value!r}")
+    return value
+
+
+def _ids(values, what: str) -> list[int]:
+    if not isinstance(values, list):
+        raise R.InvalidInput(f"{what} must be a list of ids")
+    return [_doc_id(v, what) for v in values]

@@ -1,0 +1,127 @@
+"""The layers every model family shares: RMSNorm, RoPE (with the scalings HF defines for these
+families), the few-row projection, and the attention-visibility rule.
+
+RoPE lives here once: the model's forward rotates q and k with it, and the kvreuse fuser
+re-rotates cached pre-RoPE keys to their new positions with the same tables, so a chunk is
+placed with exactly the rotation (scaling included) that the model itself would apply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# RoPE types the engine computes; HF's others (yarn, longrope, ...) fail at load.
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # normalised in fp32 and cast back before the weight, as HF does
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2] (float64) under HF's `rope_type` scalings.
+
+    `linear` divides every frequency by `factor`; `llama3` (Llama 3.1/3.2) divides the low
+    frequencies by `factor`, keeps the high ones and blends the band between, with the
+    wavelength bounds taken from `original_max_position_embeddings`. `dynamic` (NTK) only
+    rescales once a sequence is longer than `max_position_embeddings`, which is where the
+    engine's context window ends, so within it the frequencies are the default ones (HF
+    computes the same frequencies for any sequence up to that length).
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind in ("default", "dynamic"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: {list(ROPE_TYPES)}")
+
+
+class Rotary:
+    """RoPE in the HF (rotate-half) convention, evaluated at arbitrary integer positions.
+
+    cos/sin are tabulated once (in float64, stored fp32) for every position of the context,
+    so a forward only indexes the table, and rotation of q and k is one call.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 8192, scaling: dict | None = None):
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float64, device="cpu")[:, None] * self.inv_freq[None, :]
+        self._cos = freqs.cos().repeat(1, 2).float()
+        # rotate-half as a flip of the two halves times a signed sin: x*cos + flip(x)*sin_signed
+        self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).float()
+
+    def to(self, device: torch.device | str) -> Rotary:
+        self._cos, self._sin = self._cos.to(device), self._sin.to(device)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables at `positions` [N] -> (cos, signed sin), each [N, head_dim] fp32."""
+        return self._cos[positions], self._sin[positions]
+
+    def apply(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """x: [..., N, heads, head_dim] (e.g. [N, H, hd], or cached K of every layer
+        [L, N, KV, hd]); positions: [N]. Pass `cos_sin` to reuse a lookup."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+        hd = x.shape[-1]
+        xf = x if x.dtype == torch.float32 else x.float()
+        swapped = xf.view(*x.shape[:-1], 2, hd // 2).flip(-2).view(x.shape)
+        out = torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query sees, [Nq, Nk] bool: causal by position (key j <= query i) and,
+    with a sliding `window` (Mistral), only the last `window` positions (i - j < window)."""
+    seen = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        seen &= k_pos[None, :] > q_pos[:, None] - window
+    return seen
+
+
+# attn(layer_idx, q_rot [N,H,hd], k_raw [N,KV,hd], k_rot [N,KV,hd], v [N,KV,hd]) -> [N,H,hd]
+AttnBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# Up to this many rows the product with the weight stored transposed ([in, out]) is faster
+# with MKL on the CPU: ~1.5-2x for one row (decode), 5-20% for 24-320 rows (the blend
+# probe's question rows, a blend's recomputed rows), while at 2k rows (a full prefill) the
+# [out, in] layout is ~3% ahead (interleaved A/B, 2-core AMD EPYC, qkv and gate/up shapes).
+# The 49k-wide LM head differs: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
+TRANSPOSED_MAX_ROWS = 512
+LM_HEAD_TRANSPOSED_MAX_ROWS = 2
+
+
+def project(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor | None, max_rows: int = TRANSPOSED_MAX_ROWS,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias), with `w_t` (w transposed, contiguous; kept on the CPU for the wide
+    projections) for up to `max_rows` rows."""
+    if w_t is not None and x.shape[0] <= max_rows:
+        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+    return F.linear(x, w, bias)
