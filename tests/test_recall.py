@@ -264,3 +264,26 @@ def test_lazy_index_and_hard_time_filters(store):
     hits = store.search("default", "bob", "dog walk in the park", k=5, since=T0 + timedelta(days=300),
                         until=T0 + timedelta(days=302, hours=12))
     assert sorted(h.text for h in hits) == [f"Day {i}: I walked the dog in the park" for i in (300, 301, 302)]
+
+
+def test_large_history_moves_to_an_ivf_index(tmp_path, embedder, monkeypatch):
+    import faiss
+
+    from agentmem.tiers import recall
+
+    monkeypatch.setattr(recall, "IVF_MIN_VECTORS", 400)
+    store = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    sid = store.open_session("default", "big").id
+    topics = ["sailing", "baking bread", "chess", "gardening", "jazz", "hiking", "painting", "cycling"]
+    msgs = store.add_messages("default", "big", sid, [
+        {"role": "user", "content": f"Day {i}: today was about {topics[i % 8]} with friend number {i}"}
+        for i in range(240)])
+    ui = store.recall.sync("default", "big")
+    assert isinstance(ui.index, faiss.IndexIVF) and ui.index.ntotal == 480
+    hit = store.search("default", "big", "friend number 123 and chess", k=3)
+    assert msgs[123].id in [h.id for h in hit]
+    store.delete_user("default", "big")
+    sid = store.open_session("default", "big").id
+    store.add_messages("default", "big", sid, [{"role": "user", "content": "Just one line now"}])
+    assert store.recall.sync("default", "big").index.ntotal == 2
+    store.close()

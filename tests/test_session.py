@@ -4,6 +4,7 @@ eviction into the summary, bad input, forgetting, a new process, concurrent sess
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -237,4 +238,5 @@ def test_chat_repl_in_a_new_process_shows_remembered_memories(make, tmp_path):
     shown = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("* message:")]
     assert any(FACT in ln for ln in shown), out.stdout  # the memory its prompt used, from the first process
     assert "bot> " in out.stdout and "prompt tokens" in out.stdout
-    assert any(FACT in ln and ln.strip()[0].isdigit() for ln in out.stdout.splitlines())  # /search found it
+    # /search found it: "<score> message:<id> <date>: <text>" (the prompt "you> " may lead the line)
+    assert re.search(r"\d\.\d{3} message:\d+ \S+: " + re.escape(FACT), out.stdout), out.stdout

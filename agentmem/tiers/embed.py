@@ -45,12 +45,22 @@ class Embedder:
         return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
 
 
-def load_embedder(path: Path | str | None = None) -> Embedder:
-    """Load the embedder on the CPU (it is small; the GPU is kept for the LLM)."""
+def load_embedder(path: Path | str | None = None, dtype: str = "auto") -> Embedder:
+    """Load the embedder on the CPU (it is small; the GPU is kept for the LLM). `dtype` auto:
+    bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX: ~2x the texts per second, vectors
+    within cosine 0.998 of fp32), float32 elsewhere (emulated bf16 is slower there)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
     from sentence_transformers import SentenceTransformer
 
+    from ..engine.engine import cpu_has_bf16
+
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"embed dtype must be auto, float32 or bfloat16, got {dtype!r}")
     model_dir = Path(path) if path else default_model_dir()
     if not (model_dir / "modules.json").exists():
         raise FileNotFoundError(f"no sentence-transformers model at {model_dir}")
-    return Embedder(SentenceTransformer(str(model_dir), device="cpu", local_files_only=True))
+    model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
+    if dtype == "bfloat16" or (dtype == "auto" and cpu_has_bf16()):
+        model.to(torch.bfloat16)
+    return Embedder(model)

@@ -66,6 +66,8 @@ MENTION_BOOST = 1.1  # a turn that names them
 WHEN_BOOST = 1.15  # a "when" question, and a turn that dates something
 SESSION_DECAY = 0.85  # each further hit from one session counts this much less
 FLUSH_VECTORS = 4096  # save the index after this many new vectors (and on close)
+IVF_MIN_VECTORS = 65_536  # from here a user's index is an IVF (an exact scan grows with the history)
+IVF_NPROBE = 32  # lists an IVF search visits, of about 2 x sqrt(vectors)
 FLUSH_SECONDS = 60.0
 _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT = 0, 1
@@ -125,6 +127,7 @@ class UserIndex:
     pieces: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # faiss id -> piece
     vids: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (kind, row id) -> faiss ids
     next_vid: int = 0
+    ivf_trained_at: int = 0  # vectors when the IVF lists were trained (0: exact index)
     dirty: int = 0  # vectors changed since the last save
     saved_at: float = field(default_factory=time.monotonic)
 
@@ -232,6 +235,24 @@ class Recall:
     def _new_index(self) -> faiss.IndexIDMap2:
         return faiss.IndexIDMap2(faiss.IndexFlatIP(self.embedder.dim))
 
+    def _maybe_ivf(self, ui: UserIndex) -> None:
+        """An exact scan costs time in proportion to the history; past IVF_MIN_VECTORS the
+        user's vectors move to an inverted-file index (k-means lists, IVF_NPROBE of them
+        searched), retrained when the history has grown 4x since. Ids and vectors are kept."""
+        n = ui.index.ntotal
+        if n < IVF_MIN_VECTORS or (isinstance(ui.index, faiss.IndexIVF) and n < 4 * ui.ivf_trained_at):
+            return
+        vectors, ids = _all_vectors(ui.index)
+        dim = vectors.shape[1]
+        nlist = int(2 * math.sqrt(n))
+        ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        sample = np.random.default_rng(0).choice(n, size=min(n, 40 * nlist), replace=False)
+        ivf.train(vectors[sample])
+        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)
+        ivf.add_with_ids(vectors, ids)
+        ivf.nprobe = IVF_NPROBE
+        ui.index, ui.ivf_trained_at, ui.dirty = ivf, n, ui.dirty + 1
+
     def _load(self, tenant_id: str, user_id: str) -> UserIndex:
         index_path, meta_path = self._paths(tenant_id, user_id)
         try:
@@ -241,7 +262,7 @@ class Recall:
             tables = np.load(meta_path.with_suffix(".npz"))
             ui = UserIndex(faiss.read_index(str(index_path)), memories={int(k): v for k, v in meta["memories"].items()},
                            top_id=int(meta["top_id"]), speakers=set(meta["speakers"]), newest=float(meta["newest"]),
-                           next_vid=int(meta["next_vid"]))
+                           next_vid=int(meta["next_vid"]), ivf_trained_at=int(meta["ivf_trained_at"]))
             for vid, kind, row, chunk, view in tables["pieces"].tolist():
                 ui.pieces[vid] = (kind, row, chunk, view)
                 ui.vids.setdefault((kind, row), []).append(vid)
@@ -272,7 +293,8 @@ class Recall:
         os.replace(tmp, meta_path.with_suffix(".npz"))
         tmp = meta_path.with_suffix(f".json.{tag}")
         tmp.write_text(json.dumps({"version": _INDEX_VERSION, "memories": ui.memories, "top_id": ui.top_id,
-                                   "speakers": sorted(ui.speakers), "newest": ui.newest, "next_vid": ui.next_vid}))
+                                   "speakers": sorted(ui.speakers), "newest": ui.newest, "next_vid": ui.next_vid,
+                                   "ivf_trained_at": ui.ivf_trained_at}))
         os.replace(tmp, meta_path)  # written last: it validates the other two
         ui.dirty, ui.saved_at = 0, time.monotonic()
 
@@ -321,6 +343,7 @@ class Recall:
             new_mems = [i for i in want_mems if i not in ui.memories]
             if new_mems:
                 self._add_memories(ui, self.archive.memories_by_id(tenant_id, user_id, new_mems).values())
+            self._maybe_ivf(ui)
             self._maybe_save(tenant_id, user_id, ui)
             return ui
 
@@ -419,7 +442,13 @@ class Recall:
         hi = until.timestamp() if until is not None else math.inf
         fetch = min(n, 3 * DEPTH + 2 * len(exclude))
         while True:
-            sims, vids = ui.index.search(qvec, fetch)
+            if isinstance(ui.index, faiss.IndexIVF) and fetch > DEPTH * 3 + 2 * len(exclude):
+                # a time filter over an IVF: the lists nearest the query may hold too few turns of
+                # the window, so visit more of them as the fetch grows
+                probe = min(ui.index.nlist, IVF_NPROBE * fetch // (DEPTH * 3))
+                sims, vids = ui.index.search(qvec, fetch, params=faiss.SearchParametersIVF(nprobe=probe))
+            else:
+                sims, vids = ui.index.search(qvec, fetch)
             got = self._take_dense(ui, sims[0], vids[0], use, exclude, lo, hi)
             if fetch >= n or not got.short(use) or (lo == -math.inf and hi == math.inf):
                 break
@@ -519,6 +548,24 @@ class Recall:
             sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
         return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
                    0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name)
+
+
+def _all_vectors(index) -> tuple[np.ndarray, np.ndarray]:
+    """Every vector of an index and its id (an exact IDMap2 over a flat index, or an IVF-flat)."""
+    if isinstance(index, faiss.IndexIVF):
+        inv, dim = index.invlists, index.d
+        vecs, ids = [], []
+        for lst in range(index.nlist):
+            n = inv.list_size(lst)
+            if n:
+                vecs.append(np.frombuffer(bytes(faiss.rev_swig_ptr(inv.get_codes(lst), n * dim * 4)),
+                                          dtype=np.float32).reshape(n, dim))
+                ids.append(faiss.rev_swig_ptr(inv.get_ids(lst), n).copy())
+        return np.concatenate(vecs), np.concatenate(ids).astype(np.int64)
+    flat = faiss.downcast_index(index.index)
+    n, dim = index.ntotal, index.d
+    vecs = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim).copy()
+    return vecs, faiss.vector_to_array(index.id_map).astype(np.int64)
 
 
 def _diverse(ranked: list, k: int, session_of: Callable) -> list:

@@ -41,7 +41,7 @@ class MemoryStore:
             if self._embedder is None:
                 from .embed import load_embedder
 
-                self._embedder = load_embedder(self.config.embed_model_path)
+                self._embedder = load_embedder(self.config.embed_model_path, self.config.embed_dtype)
             return self._embedder
 
     def close(self) -> None:
