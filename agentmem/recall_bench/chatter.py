@@ -86,8 +86,8 @@ REACT = ("Haha yes!", "Oh no, why?", "No way!", "Omg 😂", "Ugh, sorry", "That'
          "hahaha classic", "Oh that sounds lovely", "Noooo", "So true", "I feel that", "😂😂", "Love that for you",
          "Oof", "Good for you!", "Same here honestly", "That's so annoying", "wow", "Nice one",
          "Hmm, not sure about that", "Of course you did 😄", "Sounds about right", "Aw that's sweet",
-         "Haha {o} you're too much", "Tell {p} I said hi!", "Ha, {p} would love that", "Wait, what happened next?",
-         "Yesss", "Can't believe it", "Oh wow, {o}!", "That's so you", "Hmm okay", "Proud of you!",
+         "Tell {p} I said hi!", "Ha, {p} would love that", "Wait, what happened next?",
+         "Yesss", "Can't believe it", "Oh wow!", "That's so you", "Hmm okay", "Proud of you!",
          "lmao", "Sending hugs", "Right?? exactly", "Ooh tell me more")
 ASK_BACK = ("What about you?", "How's your week been?", "Any news on your side?", "How are things at work?",
             "How's {p} doing?", "Did you end up going?", "What are you up to tonight?", "How's the family?",
