@@ -85,10 +85,16 @@ TOPICS = {
 REACT = ("Haha yes!", "Oh no, why?", "No way!", "Omg 😂", "Ugh, sorry", "That's amazing!!", "Wait really?",
          "hahaha classic", "Oh that sounds lovely", "Noooo", "So true", "I feel that", "😂😂", "Love that for you",
          "Oof", "Good for you!", "Same here honestly", "That's so annoying", "wow", "Nice one",
-         "Hmm, not sure about that", "Of course you did 😄", "Sounds about right", "Aw that's sweet")
+         "Hmm, not sure about that", "Of course you did 😄", "Sounds about right", "Aw that's sweet",
+         "Tell {p} I said hi!", "Ha, {p} would love that", "Wait, what happened next?",
+         "Yesss", "Can't believe it", "Oh wow!", "That's so you", "Hmm okay", "Proud of you!",
+         "lmao", "Sending hugs", "Right?? exactly", "Ooh tell me more")
 ASK_BACK = ("What about you?", "How's your week been?", "Any news on your side?", "How are things at work?",
             "How's {p} doing?", "Did you end up going?", "What are you up to tonight?", "How's the family?",
-            "Are you still doing that early morning routine?", "Did you sort out the thing with the landlord?")
+            "Are you still doing that early morning routine?", "Did you sort out the thing with the landlord?",
+            "How was {place}?", "Are you feeling {feel} still?", "Did you ever get {thing} in the end?",
+            "What did you do on {day}?", "Is {p} still staying with you?", "Did {kid} like the present?",
+            "Still {chore} or done?", "How's the weather your side?")
 ANSWER_BACK = ("Not much, same old", "Good! tired, but good", "Honestly a bit rubbish, but getting there",
                "Oh you know, surviving", "Yeah! it was fun, I'll tell you later", "{p} is fine, says hi",
                "Still waiting to hear back", "Quiet week for once, I'm enjoying it",
@@ -142,13 +148,13 @@ def exchange(rng: random.Random, people: tuple[str, ...], names: tuple[str, str]
     seen.add(opener)
     if rng.random() < 0.15:
         opener += f" [image: {rng.choice(CAPTIONS)}]"
-    out = [(a, noisy(rng, opener)), (b, noisy(rng, rng.choice(REACT)))]
+    out = [(a, noisy(rng, opener)), (b, noisy(rng, fill(rng, rng.choice(REACT), people, names[a])))]
     r = rng.random()
     if r < 0.35:
-        out += [(b, fill(rng, rng.choice(ASK_BACK), people, names[a])),
+        out += [(b, noisy(rng, fill(rng, rng.choice(ASK_BACK), people, names[a]))),
                 (a, noisy(rng, fill(rng, rng.choice(ANSWER_BACK), people, names[b])))]
     elif r < 0.5:
-        out += [(a, story(rng, people, names[b])), (b, noisy(rng, rng.choice(REACT)))]
+        out += [(a, story(rng, people, names[b])), (b, noisy(rng, fill(rng, rng.choice(REACT), people, names[a])))]
     elif r < 0.65:
         out += [(b, noisy(rng, fill(rng, rng.choice(TOPICS[rng.choice(list(TOPICS))]), people, names[a])))]
     return out

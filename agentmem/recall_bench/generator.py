@@ -142,10 +142,12 @@ class _Builder:
         """The other's lead-in (sometimes), the fact, the other's reaction."""
         t = self.tag()
         block = []
-        if cues and self.rng.random() < 0.5:
+        if cues and self.rng.random() < 0.6:
             block.append(_Planted(1 - who, self.rng.choice(cues)))
         block.append(_Planted(who, text, t))
-        block.append(_Planted(1 - who, C.noisy(self.rng, self.rng.choice(C.REACT))))
+        people = tuple(o[0].name for o in self.others)
+        react = C.fill(self.rng, self.rng.choice(C.REACT), people, self.speakers[who].name)
+        block.append(_Planted(1 - who, C.noisy(self.rng, react)))
         return block, t
 
 
