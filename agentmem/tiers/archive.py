@@ -20,10 +20,11 @@ from pathlib import Path
 from sqlalchemy import create_engine, delete, event, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 from . import ids as row_ids
 from . import records as R
-from .records import InvalidInput, NotFound
+from .records import Conflict, InvalidInput, NotFound
 from .schema import (
     AgentRow,
     ApiKeyRow,
@@ -473,18 +474,30 @@ class Archive:
         with self.tx() as s:
             rows = s.scalars(select(CoreBlockRow).where(CoreBlockRow.tenant_id == tenant_id,
                                                         CoreBlockRow.user_id == user_id).order_by(CoreBlockRow.label))
-            return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at)) for r in rows]
+            return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at), r.version) for r in rows]
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
-                       limit: int | None = None, create_user: bool = True) -> R.CoreBlock:
+                       limit: int | None = None, create_user: bool = True,
+                       expected_version: int | None = None) -> R.CoreBlock:
         """Set a block's value, keeping the old one in the edit history. Over the block's
-        size limit is an error, not a silent cut: the caller decides what to drop."""
-        with self.tx() as s:
-            self._user_in(s, tenant_id, user_id, create_user)
-            return self._set_block_in(s, tenant_id, user_id, label, value, limit)
+        size limit is an error, not a silent cut: the caller decides what to drop.
+        `expected_version` (0: the block must not exist yet) makes the edit conditional on
+        the version the caller read; a concurrent edit in between (another replica) raises
+        `Conflict` then, and without it the edit is applied again on top of the other one:
+        never silently lost."""
+        try:
+            with self.tx() as s:
+                self._user_in(s, tenant_id, user_id, create_user)
+                return self._set_block_in(s, tenant_id, user_id, label, value, limit, expected_version)
+        except (StaleDataError, IntegrityError):
+            if expected_version is not None:
+                raise Conflict(f"block {label!r} was changed by another writer; read it again") from None
+            with self.tx() as s:
+                self._user_in(s, tenant_id, user_id, create_user)
+                return self._set_block_in(s, tenant_id, user_id, label, value, limit)
 
     def _set_block_in(self, s: Session, tenant_id: str, user_id: str, label: str, value: str,
-                      limit: int | None) -> R.CoreBlock:
+                      limit: int | None, expected_version: int | None = None) -> R.CoreBlock:
         label = clean_text(label, "block label")
         if len(label) > LABEL_CHARS or not label.replace("_", "").replace("-", "").isalnum():
             raise InvalidInput(f"block label must be up to {LABEL_CHARS} letters, digits, '_' or '-', got {label!r}")
@@ -493,6 +506,9 @@ class Archive:
                                   or not 1 <= limit <= MAX_BLOCK_LIMIT):
             raise InvalidInput(f"block limit must be an integer in [1, {MAX_BLOCK_LIMIT}], got {limit!r}")
         row = s.get(CoreBlockRow, (tenant_id, user_id, label))
+        current = row.version if row is not None else 0
+        if expected_version is not None and expected_version != current:
+            raise Conflict(f"block {label!r} is at version {current}, not {expected_version}; read it again")
         if row is None:
             row = CoreBlockRow(tenant_id=tenant_id, user_id=user_id, label=label, value="",
                                char_limit=limit or DEFAULT_BLOCK_LIMIT)
@@ -506,7 +522,7 @@ class Archive:
                                    new_value=value))
             row.value, row.updated_at = value, utcnow()
         s.flush()
-        return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at))
+        return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at), row.version)
 
     def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
         q = select(CoreBlockEditRow).where(CoreBlockEditRow.tenant_id == tenant_id, CoreBlockEditRow.user_id == user_id)

@@ -209,6 +209,9 @@ class CoreBlockRow(Base):
     value: Mapped[str] = mapped_column(Text, default="")
     char_limit: Mapped[int] = mapped_column(Integer, default=2000)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # row version: every UPDATE checks it, so two replicas' concurrent edits cannot both win
+    version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    __mapper_args__ = {"version_id_col": version}
 
 
 class CoreBlockEditRow(Base):
