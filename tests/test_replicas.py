@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from agentmem.api import create_tenant_with_key
 from agentmem.api.local import free_port
+from agentmem.cluster.forget import ForgetBroadcast
 from agentmem.config import Config
 from agentmem.reflect import ReflectionScheduler
 from agentmem.reflect.lease import Leases
@@ -131,7 +132,20 @@ def test_turns_alternating_between_replicas(db_url, tmp_path, engine, embedder):
         hit = b.search("t", "u", said[2], k=1)[0]  # written through a, found through b's own index
         assert hit.text == said[2]
 
+        b_files = list(b.recall.directory.rglob("*.faiss"))
+        assert b_files  # b holds the user's index on its own disk
+        b_forgot: list = []
+        if db_url.startswith("postgresql"):  # replicas hear of deletions (in-memory caches, disk)
+            b.forget_hooks.append(lambda t, u: b_forgot.append((t, u)))
+            listeners = [ForgetBroadcast(a).start(), ForgetBroadcast(b).start()]
         a.delete_user("t", "u")
+        if db_url.startswith("postgresql"):
+            deadline = time.monotonic() + 10
+            while not b_forgot and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert b_forgot == [("t", "u")] and not any(p.exists() for p in b_files)
+            for li in listeners:
+                li.stop()
         assert b.search("t", "u", said[2]) == []
         ctx = sb.context("What is my locker code?")
         assert not [s for s in ctx.segments if s.tier in ("turn", "recall")]

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from sqlalchemy import text
 
+from ..cluster.forget import ForgetBroadcast
 from ..config import Config
 from ..tiers.store import MemoryStore
 from . import errors
@@ -50,6 +51,8 @@ class Services:
         self.reflection = None  # a ReflectionScheduler once start_reflection() ran
         self.chat = ChatService(config, store, self.engine, limits, serial=serial)
         store.forget_hooks.append(self._forget)
+        # replicas on PostgreSQL: a deletion on another replica runs the same local forgetting here
+        self.forget_broadcast = ForgetBroadcast(store).start()
 
     def engine(self):
         """The engine, loaded on first use."""
@@ -123,6 +126,7 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
         services.start_reflection(reflect_every_turns, reflect_idle_s)
         # a pass cut short at shutdown resumes where it stopped (the checkpoint advances per message)
         app.router.on_shutdown.append(lambda: services.reflection.stop(5))
+    app.router.on_shutdown.append(services.forget_broadcast.stop)
     errors.install(app)
     app.add_middleware(DisconnectWatch)
     app.add_middleware(Idempotency, services=services)  # inside the body limit: it reads whole bodies
