@@ -25,7 +25,21 @@ demo: setup
 AGENTMEM_TEST_PG_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 export AGENTMEM_TEST_PG_URL
 
-test: setup
+# llama-cpp-python's OpenAI-compatible server: the remote engine's test and benchmark peer on
+# the default GGUF, never a package dependency (`make demo` does not wait for it). It builds
+# from source (about 9 minutes on 2 cores), so the wheel is kept in .whl/ and reused. Built
+# for AVX2 without AMX: portable across this project's VMs, and ggml's AMX kernels fault in
+# VMs that do not grant the tile state.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_STAMP := $(VENV)/.llama-cpp-$(LLAMA_CPP_VERSION)
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_OPENMP=OFF
+$(LLAMA_STAMP): $(STAMP)
+	ls .whl/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip wheel -q --no-deps --no-cache-dir -w .whl llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PY) -m pip install -q "$$(ls .whl/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -1)[server]"
+	touch $@
+
+test: setup $(LLAMA_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 lint: setup

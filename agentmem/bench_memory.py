@@ -256,13 +256,13 @@ def main(argv: list[str]) -> int:
         args.users, args.facts, args.turns, args.no_baseline = 1, 4, 60, True
 
     from .config import Config
-    from .engine import Engine
+    from .engine import load_engine
     from .tiers import MemoryStore
 
     data = tempfile.mkdtemp(prefix="agentmem-bench-")
     config = Config(data_dir=data, dtype=args.dtype)
     print(f"loading engine and embedder (data in {data})", file=sys.stderr)
-    engine = Engine.load(config)
+    engine = load_engine(config)  # AGENTMEM_ENGINE_URL: a remote inference server answers
     store = MemoryStore(config)
     workload = build_workload(args.seed, args.users, args.facts, args.turns, args.sessions, args.change_frac)
     t0 = time.perf_counter()
@@ -294,8 +294,18 @@ def main(argv: list[str]) -> int:
                                          use_model=args.reflect_model, rate=args.compress_rate)
     result |= {"questions": len(hist), "users": args.users, "turns_per_user": args.turns, "seed": args.seed,
                "import_s": import_s, "recall_k": config.recall_k, "context_budget": config.context_budget,
-               "model": engine.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
-               "device": str(engine.device)}
+               "model": engine.model_id}
+    if config.engine_url:  # what the server reported over the memory turns (remote.RemoteStats)
+        stats = [t.trace["stats"] for h in workload for t in store.turns("bench", h.user, limit=1000)]
+        cached = [st["server"]["cached_tokens"] for st in stats if st.get("server")]
+        result |= {"engine": "remote", "server": config.engine_url,
+                   "server_prompt_tokens": sum(st["prompt_tokens"] for st in stats),
+                   "server_cached_tokens": None if None in cached else sum(cached),
+                   "server_cached_token_share": None if None in cached or not stats else
+                   sum(cached) / sum(st["prompt_tokens"] for st in stats)}
+    else:
+        result |= {"engine": "embedded", "dtype": str(engine.dtype).removeprefix("torch."),
+                   "device": str(engine.device)}
     if args.json:
         print(json.dumps(result))
     else:

@@ -78,6 +78,20 @@ class Config(BaseSettings):
     kv_disk_dir: Path | None = None  # default: <data_dir>/chunks (KV of users' memories is user data)
     kv_disk_bytes: int = 8 << 30
 
+    # --- remote engine (engine/remote.py) --------------------------------------------------
+    # An OpenAI-compatible inference server (vLLM, SGLang, llama.cpp's server) in place of the
+    # embedded engine: its base URL, key, and model name (unset: the first it lists).
+    engine_url: str | None = None
+    engine_api_key: str | None = None
+    engine_model: str | None = None
+    engine_tokenizer: Path | None = None  # the model's tokenizer files; default: the default model's
+    engine_timeout_s: float = 120.0  # per read; connecting gives up after 5 s
+    engine_retries: int = 3  # for calls that generated nothing yet, with exponential backoff
+
+    # --- replicas (cluster/, api/shared_rate.py, kvreuse/shared_tier.py) -------------------
+    redis_url: str | None = None  # e.g. redis://host:6379/0: rate limits and a chunk-KV tier shared by replicas
+    redis_kv_bytes: int = 1 << 30  # the shared chunk-KV tier's budget, across all replicas
+
     def resolved_db_url(self) -> str:
         if self.db_url:
             return self.db_url

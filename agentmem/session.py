@@ -38,6 +38,8 @@ class TurnTrace:
         stats = {k: getattr(s, k) for k in ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens",
                                             "prefilled_tokens", "ttft_s", "total_s", "finish_reason")}
         stats["cache_hit_ratio"] = s.cache_hit_ratio
+        if getattr(s, "server", None):  # a remote engine: what the inference server reported
+            stats["server"] = s.server
         return {"session_id": self.session_id, "segments": self.segments, "memories_used": self.memories_used,
                 "stats": stats, "message_ids": self.message_ids, "evicted": self.evicted, "reply": self.reply}
 
@@ -47,9 +49,9 @@ class AgentSession:
                  config: Config | None = None, engine=None, store: MemoryStore | None = None):
         self.config = config or (store.config if store is not None else Config())
         if engine is None:
-            from .engine import Engine
+            from .engine import load_engine
 
-            engine = Engine.load(self.config)
+            engine = load_engine(self.config)
         self.engine = engine
         self.store = store or MemoryStore(self.config)
         self.tenant_id, self.user_id = tenant_id, user_id
@@ -70,6 +72,18 @@ class AgentSession:
                                            self.engine.count_tokens, self.config.context_budget,
                                            self.config.evict_trigger,
                                            count_many=getattr(self.engine, "count_tokens_many", None))
+        self._seen = (info.message_count, self._last_id())
+
+    def _last_id(self) -> int:
+        return self.working.queue[-1].id if self.working.queue else self.working.summary_upto
+
+    def sync(self) -> None:
+        """Reload the working context when the archive no longer matches it: another replica
+        added turns to this session, or deleted the user (whose messages this object would
+        otherwise still hold). One count query per turn; replicas share only the database."""
+        info = self.store.open_session(self.tenant_id, self.user_id, self.session_id)
+        if (info.message_count, self._last_id()) != self._seen:
+            self._open(self.session_id)
 
     # --- the turn ----------------------------------------------------------------------------
     def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
@@ -86,6 +100,7 @@ class AgentSession:
                                 top_p=top_p, stop=stop or [], seed=seed).validate()
         with self._lock:
             text = clean_text(text, "message")
+            self.sync()
             user_msg = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
                                                [{"role": "user", "content": text}])
             ctx, evicted = self._prepare(text, persist=True, exclude={user_msg[0].id})
@@ -95,6 +110,7 @@ class AgentSession:
                 self._compressor = self._compressor or Compressor(self.engine)
                 ctx = question_aware(ctx, self._compressor, text, question_aware_tokens)
             self.working.push(user_msg)
+            self._seen = (self._seen[0] + 1, user_msg[0].id)
             gen = self.engine.stream(ctx.prompt, params)
         pieces = self._finish(gen, ctx, user_msg[0], evicted)
         if stream:
@@ -111,6 +127,7 @@ class AgentSession:
                 stored = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
                                                  [{"role": "assistant", "content": reply}])
                 self.working.push(stored)
+                self._seen = (self._seen[0] + 1, stored[0].id)
                 ids.append(stored[0].id)
             trace = TurnTrace(self.session_id, _segment_trace(ctx, result.stats), _memories_trace(ctx),
                               result.stats, ids, evicted, reply)
@@ -135,9 +152,11 @@ class AgentSession:
         """Import history without generating (times may be given: created_at, event_time).
         The messages join this session's working context, evicting into the summary as needed."""
         with self._lock:
+            self.sync()
             stored = self.store.add_messages(self.tenant_id, self.user_id, self.session_id, messages)
             self.working.push(stored)
             self.working.fit(int(RECALL_SHARE * self.config.context_budget))
+            self._seen = (self._seen[0] + len(stored), self._last_id())
             return stored
 
     def search(self, query: str, k: int = 10, since: datetime | None = None, until: datetime | None = None, *,
@@ -149,6 +168,7 @@ class AgentSession:
     def context(self, query: str) -> Context:
         """The prompt a turn with `query` would use now; nothing is stored or evicted."""
         with self._lock:
+            self.sync()
             return self._prepare(clean_text(query, "query"), persist=False)[0]
 
     def memories(self, status: str | None = None) -> list[Memory]:

@@ -103,10 +103,10 @@ def test_fulltext_follows_edits_deletes_and_tenants(store):
     assert a.lexical_search(t2, "u", ["zeppelin"]) == []
 
 
-def _upgrade_from_0005(url: str) -> None:
+def _upgrade_from_0006(url: str) -> None:
     engine = sa.create_engine(url)
     with engine.begin() as c:
-        migrate(c, "0005")
+        migrate(c, "0006")
         now = datetime.now()
         c.execute(sa.text("insert into messages (tenant_id, user_id, session_id, role, text, created_at) values "
                           "('t', 'u', 's', 'user', 'the aquarium had a giant octopus', :now)"), {"now": now})
@@ -121,11 +121,11 @@ def _upgrade_from_0005(url: str) -> None:
 
 
 def test_migration_backfills_existing_rows_sqlite(tmp_path):
-    _upgrade_from_0005(f"sqlite:///{tmp_path / 'old.db'}")
+    _upgrade_from_0006(f"sqlite:///{tmp_path / 'old.db'}")
 
 
 def test_migration_backfills_existing_rows_postgresql(pg_url):
-    _upgrade_from_0005(pg_url)
+    _upgrade_from_0006(pg_url)
 
 
 def test_postgresql_fulltext_and_fusion(tmp_path, embedder, pg_url):

@@ -280,9 +280,12 @@ def _upgrade_keeps_rows(url: str) -> None:
         migrate(c, "0001")
         c.execute(sa.text("insert into messages (tenant_id, user_id, session_id, role, text, created_at) "
                           "values ('t', 'u', 's', 'user', 'kept across upgrades', :now)"), {"now": datetime.now()})
+        c.execute(sa.text("insert into core_blocks (tenant_id, user_id, label, value, char_limit, updated_at) "
+                          "values ('t', 'u', 'human', 'Name: Ada', 2000, :now)"), {"now": datetime.now()})
     with engine.begin() as c:
         migrate(c)
         assert c.execute(sa.text("select text, compressed_text from messages")).one() == ("kept across upgrades", None)
+        assert c.execute(sa.text("select value, version from core_blocks")).one() == ("Name: Ada", 1)
     assert _compare_with_models(engine) == []
     with engine.begin() as c:
         cfg.attributes["connection"] = c

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from sqlalchemy import text
 
+from ..cluster.forget import ForgetBroadcast
 from ..config import Config
 from ..tiers.store import MemoryStore
 from . import errors
@@ -25,6 +26,7 @@ from .kvcache import chunk_stats, drop_cached_kv
 from .limits import BodyLimit, Limits, RateLimiter
 from .metrics import Metrics
 from .operator import OperatorOnly
+from .shared_rate import rate_limiter
 
 KEY_CACHE_SECONDS = 5.0
 KEY_CACHE_ENTRIES = 10_000
@@ -36,23 +38,41 @@ class Services:
         self.store = store
         self.limits = limits
         self.metrics = Metrics(chunk_stats=self.chunk_stats)
-        self.rate = RateLimiter(limits.rate_per_minute)
+        self.rate = rate_limiter(config.redis_url, limits.rate_per_minute)  # shared through Redis when set
+        if config.redis_url:
+            from ..cluster import RedisCollector, redis_link
+
+            self.metrics.registry.register(RedisCollector(redis_link(config.redis_url)))
         self.failed_auth = RateLimiter(limits.failed_auth_per_minute, max_keys=limits.rate_clients)
         self._engine = engine
         self._engine_lock = threading.Lock()
+        self._local = None
         self.keys = KeyCache(store.tenant_for_key_hash, KEY_CACHE_ENTRIES, KEY_CACHE_SECONDS)
         self.reflection = None  # a ReflectionScheduler once start_reflection() ran
         self.chat = ChatService(config, store, self.engine, limits, serial=serial)
         store.forget_hooks.append(self._forget)
+        # replicas on PostgreSQL: a deletion on another replica runs the same local forgetting here
+        self.forget_broadcast = ForgetBroadcast(store).start()
 
     def engine(self):
         """The engine, loaded on first use."""
         with self._engine_lock:
             if self._engine is None:
-                from ..engine import Engine
+                from ..engine import load_engine
 
-                self._engine = Engine.load(self.config)
+                self._engine = load_engine(self.config)
             return self._engine
+
+    def local_engine(self):
+        """The embedded engine reflection and compression run on: the engine itself, or one
+        loaded beside a remote engine (they read the model's tensors)."""
+        from ..engine import local_engine
+
+        engine = self.engine()
+        with self._engine_lock:
+            if self._local is None:
+                self._local = local_engine(engine, self.config)
+            return self._local
 
     @property
     def engine_loaded(self) -> bool:
@@ -69,7 +89,7 @@ class Services:
         from ..compress import Compressor
         from ..reflect.trigger import ReflectionScheduler
 
-        self.reflection = ReflectionScheduler(self.store, self.engine, every_turns=every_turns, idle_s=idle_s,
+        self.reflection = ReflectionScheduler(self.store, self.local_engine, every_turns=every_turns, idle_s=idle_s,
                                               poll_s=poll_s, compressor=Compressor).start()
         return self.reflection
 
@@ -106,6 +126,7 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
         services.start_reflection(reflect_every_turns, reflect_idle_s)
         # a pass cut short at shutdown resumes where it stopped (the checkpoint advances per message)
         app.router.on_shutdown.append(lambda: services.reflection.stop(5))
+    app.router.on_shutdown.append(services.forget_broadcast.stop)
     errors.install(app)
     app.add_middleware(DisconnectWatch)
     app.add_middleware(Idempotency, services=services)  # inside the body limit: it reads whole bodies

@@ -58,6 +58,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbour-probes", type=int, default=12, help="quiet tenant's searches and chats per phase")
     p.add_argument("--flood-clients", type=int, default=16, help="the noisy tenant's concurrent clients")
     p.add_argument("--flood-chars", type=int, default=30_000, help="characters of each message the flood posts")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="N > 1: N replicas on one PostgreSQL (--db-url) against one replica (bench_replicas.py)")
+    p.add_argument("--db-url", help="with --replicas: the PostgreSQL the replicas share (a schema of its own is used)")
+    p.add_argument("--redis-url", help="with --replicas: also measure the shared chunk-KV tier in this Redis")
+    p.add_argument("--kv-users", type=int, default=4, help="with --redis-url: users per arm of the KV measurement")
     return p
 
 
@@ -68,10 +73,12 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
-def measure(url: str, key: str, clients: int, requests: int, max_tokens: int, prefix: str,
+def measure(url: str | list[str], key: str, clients: int, requests: int, max_tokens: int, prefix: str,
             stateless: bool = False, timeout: float = 900.0) -> dict:
     """`clients` threads, each sending `requests` chat turns back to back, all starting
-    together; latency is per request, throughput over the whole level's wall time."""
+    together; latency is per request, throughput over the whole level's wall time. Given
+    several URLs (replicas), turn n of client i goes to URL (i + n) mod len."""
+    urls = [url] if isinstance(url, str) else list(url)
     latencies: list[float] = []
     errors: list[str] = []
     tokens = [0]
@@ -79,9 +86,12 @@ def measure(url: str, key: str, clients: int, requests: int, max_tokens: int, pr
     start = threading.Barrier(clients + 1)
 
     def client(i: int) -> None:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout) as c:
+        with ExitStack() as stack:
+            cs = [stack.enter_context(httpx.Client(base_url=u, headers={"Authorization": f"Bearer {key}"},
+                                                   timeout=timeout)) for u in urls]
             start.wait()
             for n in range(requests):
+                c = cs[(i + n) % len(cs)]
                 body = {"model": "agentmem", "max_tokens": max_tokens,
                         "messages": [{"role": "user", "content": QUESTIONS[(i + n) % len(QUESTIONS)]}]}
                 if not stateless:
@@ -259,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         print("agentmem bench serve: levels, --requests and --max-tokens must be positive", file=sys.stderr)
         return 2
+    if args.replicas > 1:
+        from .bench_replicas import main as replicas_main
+
+        return replicas_main(args)
     # both servers stay up and each level runs on one right after the other, so a change in
     # the machine's other load hits both sides of a comparison alike
     results: dict[str, list[dict]] = {"batched": [], "serial": []}

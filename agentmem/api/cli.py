@@ -66,9 +66,9 @@ def main(argv: list[str]) -> int:
                     max_tokens=args.max_tokens, rate_per_minute=args.rate_limit)
     engine = None
     if args.preload:
-        from ..engine import Engine
+        from ..engine import load_engine
 
-        engine = Engine.load(config)
+        engine = load_engine(config)
     app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui, serial=args.serial,
                      reflect_every_turns=args.reflect_every_turns, reflect_idle_s=args.reflect_idle)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,

@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import EngineError
-from ..tiers.records import InvalidInput, NotFound
+from ..engine import EngineError, EngineUnavailable
+from ..tiers.records import Conflict, InvalidInput, NotFound
 
 
 class ApiError(Exception):
@@ -48,9 +48,17 @@ def install(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: InvalidInput):
         return error_response(400, str(exc), "invalid_request_error", "invalid_input")
 
+    @app.exception_handler(Conflict)
+    async def _conflict(_: Request, exc: Conflict):
+        return error_response(409, str(exc), "conflict_error", "version_conflict")
+
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError):
         return error_response(400, str(exc), "invalid_request_error", type(exc).__name__)
+
+    @app.exception_handler(EngineUnavailable)
+    async def _engine_down(_: Request, exc: EngineUnavailable):
+        return error_response(503, str(exc), "api_error", "engine_unavailable", headers={"Retry-After": "5"})
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

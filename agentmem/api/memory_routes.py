@@ -161,7 +161,8 @@ def core_blocks(user_id: str = UserId, who: Caller = Depends(caller), svc=Depend
 def set_core_block(body: CoreBlockIn, user_id: str = UserId, label: str = Path(min_length=1, max_length=LABEL_CHARS),
                    who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     _check_len(svc, body.value, "value")
-    return svc.store.set_core_block(who.tenant_id, user_id, label, body.value, body.limit).to_dict()
+    return svc.store.set_core_block(who.tenant_id, user_id, label, body.value, body.limit,
+                                    expected_version=body.version).to_dict()
 
 
 # --- sessions, messages, traces --------------------------------------------------------------

@@ -145,6 +145,8 @@ class ContextIn(BaseModel):
 class CoreBlockIn(BaseModel):
     value: str
     limit: int | None = Field(None, ge=1, le=MAX_BLOCK_LIMIT)
+    version: int | None = Field(None, ge=0, description="the block's version as read (0: it must not exist yet); "
+                                "a 409 if another writer changed it since")
 
 
 class MessageIn(BaseModel):

@@ -12,10 +12,18 @@ from .engine import (
     Segment,
     attend,
 )
-from .errors import EmptyPrompt, EngineError, InvalidSampling, PromptTooLong, UnsupportedModel
+from .errors import (
+    EmptyPrompt,
+    EngineError,
+    EngineUnavailable,
+    InvalidSampling,
+    PromptTooLong,
+    UnsupportedModel,
+)
 from .kv_pool import KVPool
 from .loop import EngineLoop
 from .model import ModelArgs, Transformer, load_transformer
+from .protocol import TextEngine, load_engine, local_engine
 from .sampler import SamplingParams
 from .weights import WeightsMissing, resolve_model_dir
 
@@ -28,6 +36,7 @@ __all__ = [
     "EmptyPrompt",
     "Engine",
     "EngineError",
+    "EngineUnavailable",
     "Generation",
     "GenerationStats",
     "GenerationStream",
@@ -37,11 +46,14 @@ __all__ = [
     "PrefillResult",
     "PromptTooLong",
     "SamplingParams",
+    "TextEngine",
     "Segment",
     "Transformer",
     "UnsupportedModel",
     "WeightsMissing",
     "attend",
+    "load_engine",
     "load_transformer",
+    "local_engine",
     "resolve_model_dir",
 ]

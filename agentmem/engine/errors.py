@@ -22,3 +22,8 @@ class InvalidSampling(EngineError):
 
 class UnsupportedModel(EngineError):
     """The checkpoint's model_type, or one of its options, is not one the engine computes."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The remote inference server cannot be reached or broke off a reply: not the caller's
+    fault, so not an `EngineError` (a 503 in the REST service, not a 400)."""

@@ -28,7 +28,13 @@ def store_from_config(config: Config, device: torch.device) -> ChunkStore:
         tiers.append((device, config.kv_gpu_bytes))
     tiers.append(("cpu", config.kv_ram_bytes))
     disk = config.kv_disk_dir or Path(config.data_dir) / "chunks"
-    return ChunkStore(tiers, disk, config.kv_disk_bytes)
+    shared = None
+    if config.redis_url:
+        from ..cluster import redis_link
+        from .shared_tier import SharedTier
+
+        shared = SharedTier(redis_link(config.redis_url), config.redis_kv_bytes)
+    return ChunkStore(tiers, disk, config.kv_disk_bytes, shared=shared)
 
 
 class ChunkReuse:

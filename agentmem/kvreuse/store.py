@@ -125,19 +125,11 @@ class DiskTier:
 
     def write(self, key: str, namespace: str, kv: ChunkKV) -> list[str]:
         """Store the entry; return the keys evicted to stay within the budget."""
-        k = kv.k.detach().contiguous().cpu()
-        v = kv.v.detach().contiguous().cpu()
-        payload = k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes()
-        header = json.dumps({
-            "key": key, "namespace": namespace, "context": kv.context, "dtype": str(k.dtype),
-            "k_shape": list(k.shape), "v_shape": list(v.shape), "payload": len(payload),
-            "digest": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-        }).encode()
         path = self.path(key, namespace)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "wb") as f:
-            f.write(_MAGIC + len(header).to_bytes(4, "little") + header + payload)
+            f.write(pack(key, namespace, kv))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -186,6 +178,27 @@ class DiskTier:
         return len(keys)
 
 
+def pack(key: str, namespace: str, kv: ChunkKV) -> bytes:
+    """An entry as bytes: magic, header (key, namespace, shapes, digest of the payload), payload."""
+    k = kv.k.detach().contiguous().cpu()
+    v = kv.v.detach().contiguous().cpu()
+    payload = k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes()
+    header = json.dumps({
+        "key": key, "namespace": namespace, "context": kv.context, "dtype": str(k.dtype),
+        "k_shape": list(k.shape), "v_shape": list(v.shape), "payload": len(payload),
+        "digest": hashlib.blake2b(payload, digest_size=16).hexdigest(),
+    }).encode()
+    return _MAGIC + len(header).to_bytes(4, "little") + header + payload
+
+
+def unpack(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
+    """`pack`'s inverse: None when the bytes are not an intact entry for `key`."""
+    try:
+        return _parse(data, key)
+    except (ValueError, KeyError, RuntimeError, TypeError):
+        return None
+
+
 def _parse(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
     if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 4:
         return None
@@ -211,11 +224,13 @@ class ChunkStore:
     down, and out of the last memory tier onto disk (or away, without a disk tier)."""
 
     def __init__(self, tiers: list[tuple[torch.device | str, int]], disk_dir: Path | None = None,
-                 disk_bytes: int = 8 << 30):
+                 disk_bytes: int = 8 << 30, shared=None):
         if not tiers:
             raise ValueError("a ChunkStore needs at least one memory tier")
         self.tiers = [MemoryTier(d, b) for d, b in tiers]
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
+        # below disk: a tier other replicas share (shared_tier.SharedTier), written through
+        self.shared = shared
         self.hits = self.misses = self.evictions = 0
         self._lock = threading.RLock()
 
@@ -248,6 +263,8 @@ class ChunkStore:
                 self._insert(key, namespace, kv)
                 return kv.to(first.device)
         found = self.disk.read(key) if self.disk is not None else None
+        if found is None and self.shared is not None:
+            found = self.shared.read(key)
         if found is not None:
             namespace, kv = found
             self._insert(key, namespace, kv)
@@ -265,6 +282,8 @@ class ChunkStore:
             if self.disk is not None:
                 self.disk.remove(key)  # a stale copy must not come back after an eviction
             self._insert(key, namespace, kv)
+            if self.shared is not None:
+                self.shared.write(key, namespace, kv)
 
     def _insert(self, key: str, namespace: str, kv: ChunkKV) -> None:
         """Put into the first tier that can hold it; evictions cascade down, onto disk last
@@ -293,6 +312,8 @@ class ChunkStore:
             n = sum(t.drop_namespace(namespace) for t in self.tiers)
             if self.disk is not None:
                 n += self.disk.drop_namespace(namespace)
+            if self.shared is not None:
+                n += self.shared.drop_namespace(namespace)
             return n
 
     def stats(self) -> dict:
@@ -307,6 +328,8 @@ class ChunkStore:
                 "hit_ratio": self.hits / looked if looked else 0.0,
                 "entries": sum(len(t.entries) for t in self.tiers),
             }
+            if self.shared is not None:
+                out |= self.shared.stats()
             gpu = sum(t.bytes for t in self.tiers if t.device.type != "cpu")
             if gpu:
                 out["gpu_bytes"] = gpu

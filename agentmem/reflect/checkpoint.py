@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, and_, delete, func, select
+from sqlalchemy import BigInteger, Column, DateTime, MetaData, String, Table, and_, delete, func, select
 
 from ..tiers.schema import MessageRow, from_db_time
 
@@ -20,7 +20,7 @@ reflect_state = Table(
     _meta,
     Column("tenant_id", String(64), primary_key=True),
     Column("user_id", String(255), primary_key=True),
-    Column("last_message_id", Integer, nullable=False, default=0),
+    Column("last_message_id", BigInteger, nullable=False, default=0),  # message ids are 64-bit (tiers/ids.py)
     Column("updated_at", DateTime, nullable=False),
 )
 

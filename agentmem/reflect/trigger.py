@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 from .checkpoint import Checkpoints
 from .job import ReflectReport, reflect
+from .lease import Leases
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ReflectionScheduler:
         self.on_report = on_report
         self.reflect_kwargs = reflect_kwargs
         self.checkpoints = Checkpoints(store.archive.engine)
+        self.leases = Leases(store.archive.engine)  # replicas: one of them reflects a user at a time
         store.forget_hooks.append(self.checkpoints.forget)  # a deleted user's checkpoint goes too
         self._failed: dict[tuple[str, str], float] = {}  # -> monotonic time of the last failure
         self._wake = threading.Event()
@@ -78,16 +80,27 @@ class ReflectionScheduler:
             if self._stop.is_set():
                 break
             try:
-                r = reflect(self.store, engine, *key, **kwargs)
+                r = self._reflect_leased(engine, key, kwargs)
             except Exception:
                 log.exception("reflection failed for tenant %s user %s", *key)
                 self._failed[key] = time.monotonic()
+                continue
+            if r is None:  # another replica holds the user's lease, or has just reflected them
                 continue
             self._failed.pop(key, None)
             reports.append(r)
             if self.on_report:
                 self.on_report(r)
         return reports
+
+    def _reflect_leased(self, engine, key: tuple[str, str], kwargs: dict) -> ReflectReport | None:
+        """Reflect one user under their lease; None if another replica has it. The backlog
+        is read again once the lease is held: a replica that just finished the same user
+        has moved the checkpoint past it."""
+        with self.leases.hold(*key) as held:
+            if not held or key not in {(t, u) for t, u, _, _ in self.checkpoints.backlog()}:
+                return None
+            return reflect(self.store, engine, *key, **kwargs)
 
     def start(self) -> ReflectionScheduler:
         if self._thread is None:

@@ -20,12 +20,13 @@ from pathlib import Path
 from sqlalchemy import create_engine, delete, event, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 from . import ids as row_ids
 from . import lexical
 from . import records as R
 from .keys import attachment_text, message_text
-from .records import InvalidInput, MessageMeta, NotFound
+from .records import Conflict, InvalidInput, MessageMeta, NotFound
 from .schema import (
     AgentRow,
     ApiKeyRow,
@@ -291,9 +292,7 @@ class Archive:
         zeroed) and truncated. PostgreSQL: its own VACUUM reclaims dead tuples."""
         if self.engine.dialect.name != "sqlite" or self._current.get() is not None:
             return
-        with self.engine.begin() as conn:
-            if conn.execute(text("select 1 from sqlite_master where name = 'message_fts'")).first():
-                conn.execute(text("insert into message_fts(message_fts) values ('optimize')"))
+        self.purge_fulltext()
         with self.engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
@@ -454,8 +453,10 @@ class Archive:
         them in older segments until a merge); PostgreSQL's GIN drops them with the row."""
         if self.engine.dialect.name == "sqlite":
             with self.engine.begin() as c:
+                have = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type = 'table'"))}
                 for fts in lexical.SQLITE_DDL:
-                    c.execute(text(f"INSERT INTO {fts}({fts}) VALUES ('optimize')"))
+                    if fts in have:
+                        c.execute(text(f"INSERT INTO {fts}({fts}) VALUES ('optimize')"))
 
     def set_message_compressed(self, tenant_id: str, user_id: str, texts: dict[int, str]) -> None:
         """Store the compressed text of messages (id -> text), once, in one transaction."""
@@ -565,18 +566,30 @@ class Archive:
         with self.tx() as s:
             rows = s.scalars(select(CoreBlockRow).where(CoreBlockRow.tenant_id == tenant_id,
                                                         CoreBlockRow.user_id == user_id).order_by(CoreBlockRow.label))
-            return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at)) for r in rows]
+            return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at), r.version) for r in rows]
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
-                       limit: int | None = None, create_user: bool = True) -> R.CoreBlock:
+                       limit: int | None = None, create_user: bool = True,
+                       expected_version: int | None = None) -> R.CoreBlock:
         """Set a block's value, keeping the old one in the edit history. Over the block's
-        size limit is an error, not a silent cut: the caller decides what to drop."""
-        with self.tx() as s:
-            self._user_in(s, tenant_id, user_id, create_user)
-            return self._set_block_in(s, tenant_id, user_id, label, value, limit)
+        size limit is an error, not a silent cut: the caller decides what to drop.
+        `expected_version` (0: the block must not exist yet) makes the edit conditional on
+        the version the caller read; a concurrent edit in between (another replica) raises
+        `Conflict` then, and without it the edit is applied again on top of the other one:
+        never silently lost."""
+        try:
+            with self.tx() as s:
+                self._user_in(s, tenant_id, user_id, create_user)
+                return self._set_block_in(s, tenant_id, user_id, label, value, limit, expected_version)
+        except (StaleDataError, IntegrityError):
+            if expected_version is not None:
+                raise Conflict(f"block {label!r} was changed by another writer; read it again") from None
+            with self.tx() as s:
+                self._user_in(s, tenant_id, user_id, create_user)
+                return self._set_block_in(s, tenant_id, user_id, label, value, limit)
 
     def _set_block_in(self, s: Session, tenant_id: str, user_id: str, label: str, value: str,
-                      limit: int | None) -> R.CoreBlock:
+                      limit: int | None, expected_version: int | None = None) -> R.CoreBlock:
         label = clean_text(label, "block label")
         if len(label) > LABEL_CHARS or not label.replace("_", "").replace("-", "").isalnum():
             raise InvalidInput(f"block label must be up to {LABEL_CHARS} letters, digits, '_' or '-', got {label!r}")
@@ -585,6 +598,9 @@ class Archive:
                                   or not 1 <= limit <= MAX_BLOCK_LIMIT):
             raise InvalidInput(f"block limit must be an integer in [1, {MAX_BLOCK_LIMIT}], got {limit!r}")
         row = s.get(CoreBlockRow, (tenant_id, user_id, label))
+        current = row.version if row is not None else 0
+        if expected_version is not None and expected_version != current:
+            raise Conflict(f"block {label!r} is at version {current}, not {expected_version}; read it again")
         if row is None:
             row = CoreBlockRow(tenant_id=tenant_id, user_id=user_id, label=label, value="",
                                char_limit=limit or DEFAULT_BLOCK_LIMIT)
@@ -598,7 +614,7 @@ class Archive:
                                    new_value=value))
             row.value, row.updated_at = value, utcnow()
         s.flush()
-        return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at))
+        return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at), row.version)
 
     def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
         q = select(CoreBlockEditRow).where(CoreBlockEditRow.tenant_id == tenant_id, CoreBlockEditRow.user_id == user_id)

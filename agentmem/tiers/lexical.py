@@ -1,6 +1,6 @@
 """Lexical retrieval from the archive's own database: SQLite FTS5 (bm25, porter stemmer) or
 PostgreSQL full-text search (`websearch_to_tsquery`, `ts_rank_cd`, a GIN index), created by
-migration 0006 and kept in step by the database in the same transaction as every write.
+migration 0007 and kept in step by the database in the same transaction as every write.
 
 Queries are built from plain words only (`query.content_terms`), each quoted, so no input
 (quotes, `*`, `NEAR`, `:`, `-`) is ever read as query syntax. Any word may match (OR): recall
@@ -14,7 +14,7 @@ from datetime import datetime
 
 from sqlalchemy import text
 
-# The DDL of migration 0006 (which imports it). Frozen: a change needs a new migration.
+# The DDL of migration 0007 (which imports it). Frozen: a change needs a new migration.
 # Messages index their text and `keys` (captions), memories their text; memories leave the
 # index only when deleted (superseded ones are filtered out by status, as in every query).
 _SPECS = {  # fts table -> (content table, indexed columns)

@@ -15,6 +15,10 @@ class InvalidInput(ValueError):
     """Input the memory cannot store: empty text, invalid UTF-8, NUL characters, bad labels."""
 
 
+class Conflict(RuntimeError):
+    """A write based on a version that another writer has already replaced (a 409)."""
+
+
 def _plain(value):
     if isinstance(value, datetime):
         return value.isoformat()
@@ -108,6 +112,7 @@ class CoreBlock(_Record):
     value: str
     limit: int
     updated_at: datetime
+    version: int = 0  # the row version an edit must name to replace this value
 
     @property
     def id(self) -> str:

@@ -58,7 +58,7 @@ class Base(DeclarativeBase):
     pass
 
 
-# Full-text search objects that migration 0006 creates and the database maintains itself
+# Full-text search objects that migration 0007 creates and the database maintains itself
 # (tiers/lexical.py): no ORM model maps them, so schema comparisons leave them out.
 FULLTEXT_OBJECTS = ("message_fts", "memory_fts", "search_tsv", "ix_messages_search_tsv", "ix_memories_search_tsv")
 
@@ -224,6 +224,9 @@ class CoreBlockRow(Base):
     value: Mapped[str] = mapped_column(Text, default="")
     char_limit: Mapped[int] = mapped_column(Integer, default=2000)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # row version: every UPDATE checks it, so two replicas' concurrent edits cannot both win
+    version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    __mapper_args__ = {"version_id_col": version}
 
 
 class CoreBlockEditRow(Base):

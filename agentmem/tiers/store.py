@@ -143,8 +143,11 @@ class MemoryStore:
         return self.archive.core_blocks(tenant_id, user_id)
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
-                       limit: int | None = None, create_user: bool = True) -> R.CoreBlock:
-        return self.archive.set_core_block(tenant_id, user_id, label, value, limit, create_user)
+                       limit: int | None = None, create_user: bool = True,
+                       expected_version: int | None = None) -> R.CoreBlock:
+        """`expected_version`: the block's `version` as read; `Conflict` if it changed since."""
+        return self.archive.set_core_block(tenant_id, user_id, label, value, limit, create_user,
+                                           expected_version=expected_version)
 
     def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
         return self.archive.core_block_history(tenant_id, user_id, label)

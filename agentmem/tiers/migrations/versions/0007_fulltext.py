@@ -8,8 +8,8 @@ indexes. Both are filled for existing rows here: FTS5 by its 'rebuild' command, 
 generated columns by PostgreSQL as they are added. The statements live in
 `agentmem.tiers.lexical`, frozen there for this revision.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-24
 """
 
@@ -18,8 +18,8 @@ from alembic import op
 
 from agentmem.tiers.lexical import PG_DDL, SQLITE_DDL, rebuild
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
