@@ -132,6 +132,7 @@ def test_turns_alternating_between_replicas(db_url, tmp_path, engine, embedder):
         hit = b.search("t", "u", said[2], k=1)[0]  # written through a, found through b's own index
         assert hit.text == said[2]
 
+        b.recall.flush("t", "u")  # the index is saved in batches and on close; save it now
         b_files = list(b.recall.directory.rglob("*.faiss"))
         assert b_files  # b holds the user's index on its own disk
         b_forgot: list = []

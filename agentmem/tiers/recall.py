@@ -55,9 +55,12 @@ RECENCY_WEIGHT = 0.2
 IMPORTANCE_WEIGHT = 0.2
 ASSISTANT_WEIGHT = 0.85  # an unnamed assistant turn is the model's own reply: maybe wrong
 RETRIEVERS = ("dense", "context", "lexical", "facts")
+_LABELS = (*RETRIEVERS, "time")  # "time": the dense and full-text search inside the question's time window
 RRF_K = 10
 # a fact is distilled and checked by reflection: its one dense vote weighs more than a turn's
-WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.5}
+WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.5, "time": 1.0}
+WINDOW_SLACK = timedelta(days=3)
+WINDOW_MAX_FETCH = 8192  # vectors the windowed search may scan down the similarity order
 DEPTH = 100  # candidates taken from each retriever
 WINDOW_BOOST = 1.6  # a turn inside the question's time window
 NEAR_WINDOW_BOOST = 1.2  # within a week of it
@@ -419,6 +422,8 @@ class Recall:
         with self._lock(tenant_id, user_id):
             if qvec is not None and ui.index.ntotal:
                 self._dense(ui, qvec, use, exclude, cands, since, until)
+        if pq.window is not None and since is None and until is None:
+            self._time_vote(tenant_id, user_id, ui, qvec, pq, use, exclude, cands)
         if "lexical" in use:
             found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
             for rank, mid in _tied_ranks(found):
@@ -433,11 +438,11 @@ class Recall:
         return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now or conv_now)
 
     def _dense(self, ui: UserIndex, qvec: np.ndarray, use: set[str], exclude: frozenset, cands: dict,
-               since: datetime | None, until: datetime | None) -> None:
+               since: datetime | None, until: datetime | None, max_fetch: int | None = None) -> None:
         """Rank messages by each dense view and memories by similarity (equal similarity, equal
         rank). Over-fetch so the excluded messages (the working context), duplicate chunks and
         a time filter leave DEPTH per view; the fetch grows only while the filter needs it."""
-        n = ui.index.ntotal
+        n = min(ui.index.ntotal, max_fetch or ui.index.ntotal)
         lo = since.timestamp() if since is not None else -math.inf
         hi = until.timestamp() if until is not None else math.inf
         fetch = min(n, 3 * DEPTH + 2 * len(exclude))
@@ -459,6 +464,32 @@ class Recall:
                 cands[key] = c
             else:
                 have.ranks.update(c.ranks)
+
+    def _time_vote(self, tenant_id: str, user_id: str, ui: UserIndex, qvec, pq: ParsedQuery, use: set[str],
+                   exclude: frozenset, cands: dict) -> None:
+        """A question that names a time gets one more ranking: the same dense and full-text
+        search restricted to that window (with a few days' slack). Its evidence may rank far
+        down the whole history (cooking in March among a year of cooking) yet first inside the
+        window; a boost alone cannot lift what never made the candidates."""
+        since, until = pq.window.since - WINDOW_SLACK, pq.window.until + WINDOW_SLACK
+        ranks: dict[tuple[int, int], int] = {}
+        if qvec is not None and "dense" in use and ui.index.ntotal:
+            got: dict[tuple[int, int], _Cand] = {}
+            with self._lock(tenant_id, user_id):
+                self._dense(ui, qvec, {"dense"}, exclude, got, since, until, max_fetch=WINDOW_MAX_FETCH)
+            for key, c in got.items():
+                if "dense" in c.ranks:
+                    ranks[key] = c.ranks["dense"]
+                    cands.setdefault(key, _Cand(c.kind, c.row_id, chunk=c.chunk, similarity=c.similarity,
+                                                text_seen=c.text_seen))
+        if "lexical" in use:
+            found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
+            for rank, mid in _tied_ranks(found):
+                key = (_MESSAGE, mid)
+                ranks[key] = min(rank, ranks.get(key, rank))
+                cands.setdefault(key, _Cand(_MESSAGE, mid))
+        for key, rank in ranks.items():
+            cands[key].ranks["time"] = rank
 
     def _take_dense(self, ui: UserIndex, sims, vids, use: set[str], exclude: frozenset, lo: float, hi: float):
         out = _DenseRanks()
@@ -534,7 +565,7 @@ class Recall:
         return [self._hit(ui, c, row, texts, mems, qvec) for c, row in picked]
 
     def _hit(self, ui: UserIndex, c: _Cand, row, texts: dict[int, Message], mems: dict[int, Memory], qvec) -> Hit:
-        found = sorted(c.ranks, key=RETRIEVERS.index)
+        found = sorted(c.ranks, key=_LABELS.index)
         if c.kind == _MEMORY:
             m = mems[c.row_id]
             return Hit(m.id, m.kind, m.text, c.score, c.similarity, m.time, list(m.source_ids),

@@ -162,7 +162,7 @@ class Hit(_Record):
     importance: float = 0.5
     chunk: int = 0  # which piece of a message too long to embed whole
     compressed_text: str | None = None  # a memory's compressed form, what the prompt shows
-    retrievers: list[str] = field(default_factory=list)  # which retrievers found it: dense, context, lexical, facts
+    retrievers: list[str] = field(default_factory=list)  # which retrievers found it: dense, context, lexical, facts, time (the search inside the time the query names)
     name: str | None = None  # a message's speaker, when known
 
     @property
