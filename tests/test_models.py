@@ -53,6 +53,8 @@ FAMILIES = {
                                           rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                            "rope_theta": 10000.0}),
                       "llama3", None),
+    "llama-bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                       tie_word_embeddings=False), "llama3", ("LlamaConfig", dict(attention_bias=False))),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), "chatml",
               ("LlamaConfig", {})),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -337,7 +339,7 @@ def write_gguf(tiny: Tiny, out) -> None:
     for name, t in tiny.hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             t = llama_cpp_permute(t, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         w.add_tensor(tmap.get_name(name, try_suffixes=(".weight", ".bias")), t.float().contiguous().numpy())
     if rope["rope_type"] == "llama3":

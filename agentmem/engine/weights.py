@@ -148,6 +148,7 @@ def gguf_config(gguf: Path):
     - `{arch}.rope.scaling.type` = linear and its factor; llama.cpp writes Llama 3.1's
       scaling as a `rope_freqs` tensor of per-frequency divisors, turned back into HF's
       `llama3` parameters (`llama3_from_freq_factors`);
+    - q/k/v/o bias tensors of a Llama or Qwen3 (`attention_bias`);
     - `{arch}.attention.sliding_window` (returned: the checkpoint is then written as Mistral,
       the Llama decoder with a window);
     - `tokenizer.ggml.eot_token_id` / `eom_token_id` (returned).
@@ -184,6 +185,8 @@ def gguf_config(gguf: Path):
 
         rope = llama3_from_freq_factors(torch.tensor(freqs.data.copy(), dtype=torch.float64), head_dim, theta)
     config.rope_parameters = rope
+    if arch != "qwen2" and any(t.name.endswith("attn_q.bias") for t in reader.tensors):
+        config.attention_bias = True  # Llama fine-tunes with q/k/v/o biases: the config mapping has no key for it
     if config.model_type == "mistral":
         config.sliding_window = None  # MistralConfig's default window is not in the file
     window = meta(f"{arch}.attention.sliding_window")
