@@ -57,6 +57,7 @@ bench: setup
 	$(BENCH) blend --json --metric v --drift 0 | tail -1 > docs/bench/blend-cacheblend-v.json
 	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 | tail -1 > docs/bench/blend-short-chunks.json
 	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 --drift 0 | tail -1 > docs/bench/blend-short-chunks-no-drift.json
+	$(BENCH) recall --json | tail -1 > docs/bench/recall.json
 	$(BENCH) memory --json | tail -1 > docs/bench/memory.json
 	$(BENCH) serve --json | tail -1 > docs/bench/serve.json
 

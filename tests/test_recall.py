@@ -287,3 +287,14 @@ def test_large_history_moves_to_an_ivf_index(tmp_path, embedder, monkeypatch):
     store.add_messages("default", "big", sid, [{"role": "user", "content": "Just one line now"}])
     assert store.recall.sync("default", "big").index.ntotal == 2
     store.close()
+
+
+def test_bench_memory_questions_do_not_repeat_their_evidence():
+    """`bench memory` measures recall only if its questions are worded unlike their facts."""
+    from agentmem.bench_memory import FACTS
+    from agentmem.recall_bench.words import shared_stems
+
+    for _key, statement, change, question, values in FACTS:
+        for said in (statement, change):
+            if said is not None:
+                assert not shared_stems(said.format(v=values[0]), question), (said, question)
