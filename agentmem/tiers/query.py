@@ -14,7 +14,7 @@ from datetime import datetime
 from .timeparse import TimeWindow, parse_time
 
 MAX_TERMS = 48  # a 100 kB query still becomes one bounded full-text query
-INFO_WORDS = 4  # content words from which a turn counts as saying something
+INFO_WORDS = 3  # content words from which a turn counts as saying something
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)?", re.UNICODE)
 
 # English function words and question scaffolding: they match almost every turn, so a
@@ -31,6 +31,7 @@ through to too toward towards under until up upon us ve very was wasn way we wel
 when whenever where whether which while who whom whose why will with within without won would wouldn yes
 yet you your yours yourself yourselves
 tell remember recall know think mention mentioned talk talked kind sort thing things anything everything
+hi hello hey thanks thank haha lol ok okay yeah yep oh wow cool sure bye
 """.split())
 
 

@@ -56,7 +56,7 @@ IMPORTANCE_WEIGHT = 0.2
 ASSISTANT_WEIGHT = 0.85  # an unnamed assistant turn is the model's own reply: maybe wrong
 RETRIEVERS = ("dense", "context", "lexical", "facts")
 _LABELS = (*RETRIEVERS, "time")  # "time": the dense and full-text search inside the question's time window
-RRF_K = 10
+RRF_K = 60
 # a fact is distilled and checked by reflection: its one dense vote weighs more than a turn's
 WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.5, "time": 1.0}
 WINDOW_SLACK = timedelta(days=3)
@@ -74,7 +74,7 @@ IVF_NPROBE = 32  # lists an IVF search visits, of about 2 x sqrt(vectors)
 FLUSH_SECONDS = 60.0
 _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT = 0, 1
-_INDEX_VERSION = 4
+_INDEX_VERSION = 5
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -173,6 +173,7 @@ class _Cand:
     similarity: float = 0.0
     score: float = 0.0
     text_seen: bool = False  # similarity is the best text view's (not the context view's)
+    lexical_share: float = 1.0  # its full-text score / the best one's
 
 
 class _DenseRanks:
@@ -203,12 +204,13 @@ class _DenseRanks:
 
 
 def _tied_ranks(found: list[tuple[int, float]]):
-    """(rank, id) with equal scores sharing a rank."""
+    """(rank, id, score / best score) with equal scores sharing a rank."""
     last, rank = None, 0
+    top = found[0][1] if found and found[0][1] > 0 else 1.0
     for i, (mid, score) in enumerate(found):
         if score != last:
             rank, last = i, score
-        yield rank, mid
+        yield rank, mid, max(0.0, score / top)
 
 
 class Recall:
@@ -426,13 +428,15 @@ class Recall:
             self._time_vote(tenant_id, user_id, ui, qvec, pq, use, exclude, cands)
         if "lexical" in use:
             found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
-            for rank, mid in _tied_ranks(found):
-                cands.setdefault((_MESSAGE, mid), _Cand(_MESSAGE, mid)).ranks["lexical"] = rank
+            for rank, mid, share in _tied_ranks(found):
+                c = cands.setdefault((_MESSAGE, mid), _Cand(_MESSAGE, mid))
+                c.ranks["lexical"], c.lexical_share = rank, share
             if ui.memories:
                 found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, since=since, until=until,
                                                     what="memories")
-                for rank, mid in _tied_ranks(found):
-                    cands.setdefault((_MEMORY, mid), _Cand(_MEMORY, mid)).ranks["lexical"] = rank
+                for rank, mid, share in _tied_ranks(found):
+                    c = cands.setdefault((_MEMORY, mid), _Cand(_MEMORY, mid))
+                    c.ranks["lexical"], c.lexical_share = rank, share
         if not cands:
             return []
         return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now or conv_now)
@@ -484,7 +488,7 @@ class Recall:
                                                 text_seen=c.text_seen))
         if "lexical" in use:
             found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
-            for rank, mid in _tied_ranks(found):
+            for rank, mid, _ in _tied_ranks(found):
                 key = (_MESSAGE, mid)
                 ranks[key] = min(rank, ranks.get(key, rank))
                 cands.setdefault(key, _Cand(_MESSAGE, mid))
@@ -530,6 +534,8 @@ class Recall:
             if (since is not None and when < since) or (until is not None and when > until):
                 continue
             score = sum(WEIGHTS[r] / (RRF_K + rank) for r, rank in c.ranks.items())
+            if "lexical" in c.ranks:  # a full-text match on one common word of five is a weak vote
+                score -= WEIGHTS["lexical"] / (RRF_K + c.ranks["lexical"]) * (1 - math.sqrt(c.lexical_share))
             score *= 1 - RECENCY_WEIGHT / 2 + RECENCY_WEIGHT / 2 * recency(when, now)
             if isinstance(row, Memory):
                 score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
@@ -544,6 +550,8 @@ class Recall:
                     score *= NEAR_WINDOW_BOOST
             if mention and isinstance(row, MessageMeta) and row.name and row.name.lower() in mention:
                 score *= SPEAKER_BOOST
+            elif mention and isinstance(row, Memory) and any(p in row.text.lower() for p in mention):
+                score *= SPEAKER_BOOST  # a fact about the person asked about: it speaks for them
             c.score = score
             scored.append((c, row))
         scored.sort(key=lambda cr: -cr[0].score)
