@@ -1,5 +1,6 @@
-"""The scheduler shares the batch between tenants (issue 18 item 1): one tenant's 16 streams
-do not starve another's one. Pure scheduling, no model."""
+"""Fair share between tenants (issue 18 item 1): in the engine's scheduler one tenant's 16
+streams do not starve another's one, and the service runs only a few of one tenant's memory
+requests at once. Pure scheduling, no model."""
 
 from __future__ import annotations
 
@@ -55,3 +56,40 @@ def test_preemption_takes_from_the_tenant_holding_the_most():
     assert sched.preemptions == 1
     # the newest sequence overall is small's, yet the one preempted is big's
     assert [s.salt for s in sched.waiting] == ["big"] and "small" in [s.salt for s in sched.running]
+
+
+def test_a_tenants_memory_requests_wait_their_turn_others_do_not():
+    import threading
+    import time
+
+    import pytest
+
+    from agentmem.api.errors import ApiError
+    from agentmem.api.limits import TenantSlots
+
+    slots = TenantSlots(limit=2, wait_s=0.2)
+    release = threading.Event()
+    running = []
+
+    def busy():
+        with slots.hold("noisy"):
+            running.append(1)
+            release.wait(5)
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while len(running) < 2:
+        time.sleep(0.01)
+    with pytest.raises(ApiError) as refused:  # a third of noisy's waits, then is told to retry
+        with slots.hold("noisy"):
+            pass
+    assert refused.value.status == 429
+    t = time.perf_counter()
+    with slots.hold("quiet"):  # another tenant is not held up at all
+        assert time.perf_counter() - t < 0.05
+    release.set()
+    for th in threads:
+        th.join()
+    with slots.hold("noisy"):
+        pass

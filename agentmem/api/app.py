@@ -23,7 +23,7 @@ from .disconnect import DisconnectWatch
 from .guard import Guard
 from .idempotency import Idempotency
 from .kvcache import chunk_stats, drop_cached_kv
-from .limits import BodyLimit, Limits, RateLimiter
+from .limits import BodyLimit, Limits, RateLimiter, TenantSlots
 from .metrics import Metrics
 from .operator import OperatorOnly
 from .shared_rate import rate_limiter
@@ -43,6 +43,7 @@ class Services:
             from ..cluster import RedisCollector, redis_link
 
             self.metrics.registry.register(RedisCollector(redis_link(config.redis_url)))
+        self.slots = TenantSlots(limits.tenant_concurrency, limits.tenant_wait_s)
         self.failed_auth = RateLimiter(limits.failed_auth_per_minute, max_keys=limits.rate_clients)
         self._engine = engine
         self._engine_lock = threading.Lock()
@@ -104,6 +105,7 @@ class Services:
         if user_id is None:
             self.metrics.forget_tenant(tenant_id)
             self.rate.forget(tenant_id)
+            self.slots.forget(tenant_id)
             self.keys.drop_tenant(tenant_id)
 
 

@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="largest max_tokens a request may ask")
     p.add_argument("--rate-limit", type=float, default=d.rate_per_minute,
                    help="requests per minute per tenant (0: unlimited)")
+    p.add_argument("--tenant-concurrency", type=int, default=d.tenant_concurrency,
+                   help="memory writes/searches/imports one tenant runs at once; the rest wait (0: unlimited)")
     p.add_argument("--serial", action="store_true",
                    help="answer one chat at a time instead of batching (the peer of `agentmem bench serve`)")
     p.add_argument("--reflect-every-turns", type=int, default=20,
@@ -63,7 +65,8 @@ def main(argv: list[str]) -> int:
 
     config = config_from(args)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_message_chars=args.max_message_chars,
-                    max_tokens=args.max_tokens, rate_per_minute=args.rate_limit)
+                    max_tokens=args.max_tokens, rate_per_minute=args.rate_limit,
+                    tenant_concurrency=args.tenant_concurrency)
     engine = None
     if args.preload:
         from ..engine import load_engine

@@ -77,26 +77,30 @@ class Idempotency:
 
         start: dict = {}
         chunks: list[bytes] = []
+        kept = False
 
         async def capture(message):
+            # the answer is stored before its last byte is sent: a client that retries the
+            # moment it has the answer must find it kept, not still claimed (a 409)
+            nonlocal kept
             if message["type"] == "http.response.start":
                 start.update(message)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
+                status = start.get("status", 500)
+                if not message.get("more_body") and 200 <= status < 300:
+                    content_type = dict(start.get("headers") or ()).get(b"content-type", b"application/json")
+                    await run_in_threadpool(archive.finish_idempotency_key, tenant, key, status,
+                                            content_type.decode("latin-1"), b"".join(chunks))
+                    kept = True
             await send(message)
 
-        kept = False
         try:
             await self.app(scope, replay_receive, capture)
-            status = start.get("status", 500)
-            if 200 <= status < 300:
-                content_type = dict(start.get("headers") or ()).get(b"content-type", b"application/json")
-                await run_in_threadpool(archive.finish_idempotency_key, tenant, key, status,
-                                        content_type.decode("latin-1"), b"".join(chunks))
-                kept = True
         finally:
             if not kept:
                 await run_in_threadpool(archive.release_idempotency_key, tenant, key)
+
 
 def _chat_user(body: bytes) -> str | None:
     try:

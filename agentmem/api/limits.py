@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cachetools import LRUCache
 
-from .errors import error_body
+from .errors import ApiError, error_body
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class Limits:
     max_tokens: int = 1024
     rate_per_minute: float = 600.0  # per tenant; burst = one minute's worth
     max_import_bytes: int = 16 << 20  # import documents may be larger than other bodies
+    tenant_concurrency: int = 4  # memory writes, searches, imports one tenant runs at once (0: unlimited)
+    tenant_wait_s: float = 120.0  # how long a request waits for one of them before a 429
     failed_auth_per_minute: float = 30.0  # per client address: guessing keys is slow
     rate_clients: int = 100_000  # addresses (or tenants) a rate limiter remembers at most
 
@@ -138,3 +142,34 @@ class RateLimiter:
     def forget(self, key: str) -> None:
         with self._lock:
             self._buckets.pop(key, None)
+
+
+class TenantSlots:
+    """At most `limit` of one tenant's memory requests (writes, which embed, searches,
+    imports) run at once; the rest wait their turn in their own tenant's queue. Embedding
+    is CPU work: without this a tenant posting 16 long messages at once holds 16 threads'
+    worth of CPU and every other tenant's search queues behind them."""
+
+    def __init__(self, limit: int, wait_s: float):
+        self.limit, self.wait_s = limit, wait_s
+        self._slots: dict[str, threading.BoundedSemaphore] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def hold(self, tenant_id: str) -> Iterator[None]:
+        if self.limit <= 0:
+            yield
+            return
+        with self._lock:
+            slot = self._slots.setdefault(tenant_id, threading.BoundedSemaphore(self.limit))
+        if not slot.acquire(timeout=self.wait_s):
+            raise ApiError(429, f"more than {self.limit} memory requests of this tenant are running; retry later",
+                           "rate_limit_error", "too_many_concurrent", headers={"Retry-After": "1"})
+        try:
+            yield
+        finally:
+            slot.release()
+
+    def forget(self, tenant_id: str) -> None:
+        with self._lock:
+            self._slots.pop(tenant_id, None)

@@ -73,8 +73,9 @@ def list_memories(user_id: str = UserId, status: str | None = Query(None, descri
 @router.post("/users/{user_id}/memories", status_code=201)
 def add_memory(body: MemoryIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     _check_len(svc, body.text, "text")
-    return svc.store.add_memory(who.tenant_id, user_id, body.text, body.importance, kind=body.kind,
-                                event_time=body.event_time).to_dict()
+    with svc.slots.hold(who.tenant_id):
+        return svc.store.add_memory(who.tenant_id, user_id, body.text, body.importance, kind=body.kind,
+                                    event_time=body.event_time).to_dict()
 
 
 @router.get("/users/{user_id}/memories/{memory_id}")
@@ -105,7 +106,8 @@ def search(body: SearchIn, user_id: str = UserId, who: Caller = Depends(caller),
     """Recall: messages and memories ranked by similarity x recency x importance."""
     _check_len(svc, body.query, "query")
     _user(svc, who.tenant_id, user_id)
-    hits = svc.store.search(who.tenant_id, user_id, body.query, body.k, body.since, body.until)
+    with svc.slots.hold(who.tenant_id):
+        hits = svc.store.search(who.tenant_id, user_id, body.query, body.k, body.since, body.until)
     return {"object": "list", "data": [h.to_dict() | {"ref": h.ref} for h in hits]}
 
 
@@ -189,9 +191,11 @@ def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(
         storable(body.session_id, "session_id")
     if len(body.messages) > svc.limits.max_messages:
         raise ApiError(400, f"at most {svc.limits.max_messages} messages per request", code="too_many_messages")
-    sid = body.session_id or _latest_session(svc, who.tenant_id, user_id)
-    info = svc.store.open_session(who.tenant_id, user_id, sid)
-    stored = svc.store.add_messages(who.tenant_id, user_id, info.id, [m.model_dump(exclude_none=True) for m in body.messages])
+    with svc.slots.hold(who.tenant_id):
+        sid = body.session_id or _latest_session(svc, who.tenant_id, user_id)
+        info = svc.store.open_session(who.tenant_id, user_id, sid)
+        stored = svc.store.add_messages(who.tenant_id, user_id, info.id,
+                                        [m.model_dump(exclude_none=True) for m in body.messages])
     return {"session_id": info.id, "object": "list", "data": [m.to_dict() for m in stored]}
 
 
@@ -230,7 +234,8 @@ def import_user(doc: dict = Body(..., description="a document from GET .../expor
             if isinstance(row, dict) and isinstance(row.get(field), str):
                 _check_len(svc, row[field], f"{key}.{i}.{field}")
     try:
-        return svc.store.import_user(who.tenant_id, user_id, doc)
+        with svc.slots.hold(who.tenant_id):
+            return svc.store.import_user(who.tenant_id, user_id, doc)
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ApiError(400, f"malformed export document: {exc}", code="invalid_export") from exc
 
