@@ -120,27 +120,46 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: torch.Ten
 
 
 def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Tempered, truncated log-space scores [V] (-inf for dropped tokens) to sample from."""
+    """Tempered, truncated log-space scores [V] (-inf for dropped tokens) to sample from.
+    Every cut is a threshold on the scores (masked_fill): on a CPU, sorting or index-filling
+    the 49k-token vocabulary costs tens of ms, a threshold a fraction of one. The top-p
+    threshold is found among the CANDIDATES most likely tokens when they hold the mass, which
+    at the default temperature they nearly always do; else over the sorted vocabulary."""
     x = logits / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
-        kth = x.topk(params.top_k).values[-1]
-        x = x.masked_fill(x < kth, -math.inf)
+        x = x.masked_fill(x < x.topk(params.top_k).values[-1], -math.inf)
     if params.top_p < 1.0:
-        sp, si = torch.softmax(x, -1).sort(descending=True)
-        drop = sp.cumsum(-1) - sp >= params.top_p  # always keeps the most likely token
-        x = x.index_fill(0, si[drop], -math.inf)
+        x = x.masked_fill(x < _nucleus_cut(x, params.top_p), -math.inf)
     if params.min_p > 0.0:
         probs = torch.softmax(x, -1)
         x = x.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     return x
 
 
+CANDIDATES = 512
+
+
+def _nucleus_cut(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The score of the least likely token of the smallest set whose mass reaches top_p."""
+    log_z = torch.logsumexp(x, -1)
+    vals = x.topk(min(CANDIDATES, x.shape[-1])).values
+    mass = (vals - log_z).exp()
+    if float(mass.sum()) < top_p:
+        vals = x.sort(descending=True).values
+        mass = (vals - log_z).exp()
+    keep = int(((mass.cumsum(-1) - mass) < top_p).sum())  # always keeps the most likely token
+    return vals[keep - 1]
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from processed logits [V] (penalties and grammar mask already applied)."""
+    """One token from processed logits [V] (penalties and grammar mask already applied).
+    Drawn as argmax(p / E) with E ~ Exp(1) per token (the exponential race, as vLLM samples):
+    the same distribution as multinomial, which takes ~60 ms over 49k tokens on this CPU."""
     if params.temperature == 0.0:
         return int(logits.argmax())
     probs = torch.softmax(truncate(logits, params), -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / race).argmax())
 
 
 def copy_index(sources: list[list[int]], n: int) -> dict[tuple[int, ...], set[int]]:
