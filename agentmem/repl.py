@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--session", default=None, help="resume this session id (default: a new session)")
     ap.add_argument("--show-memories", action="store_true", help="after each reply, show the memories it used")
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=None, help="default: the model's recommendation")
     args = ap.parse_args(argv)
 
     from .session import AgentSession

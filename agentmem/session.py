@@ -16,7 +16,7 @@ from datetime import datetime
 from .assemble import RECALL_SHARE, Assembler, Context
 from .compress.policy import BudgetPolicy
 from .config import Config
-from .engine.sampler import SamplingParams
+from .engine.sampler import with_defaults
 from .tiers import MemoryStore, WorkingContext, clean_text
 from .tiers.records import Hit, Memory, Message
 
@@ -32,6 +32,7 @@ class TurnTrace:
     message_ids: list[int]
     evicted: list[int] = field(default_factory=list)
     reply: str = ""
+    logprobs: list | None = None  # when asked for: per token (id, logprob, [(id, logprob)])
 
     def to_dict(self) -> dict:
         s = self.stats
@@ -87,23 +88,38 @@ class AgentSession:
 
     # --- the turn ----------------------------------------------------------------------------
     def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
-             temperature: float = 0.0, question_aware_tokens: int | None = None, *,
-             top_p: float = 1.0, stop: str | list[str] | None = None,
-             seed: int | None = None) -> str | Iterator[str]:
+             temperature: float | None = None, question_aware_tokens: int | None = None, *,
+             top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, frequency_penalty: float | None = None,
+             presence_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
+             logprobs: bool | None = None, top_logprobs: int | None = None,
+             stop: str | list[str] | None = None, seed: int | None = None, grammar=None,
+             extra_system: str | None = None, copy_ngram: int | None = None) -> str | Iterator[str]:
         """Reply to `text`. With stream=True, an iterator of text pieces; the reply is stored
         and `last_turn` set when it is exhausted. The user's message is committed first.
-        Sampling (`temperature`, `top_p`, `stop`, `seed`) is the engine's; bad values raise
-        `InvalidSampling` before anything is stored.
+        Sampling is the engine's (engine/sampler.py); a value left None is the model's default
+        (`engine.sampling_defaults`: generation_config.json, the model card, AGENTMEM_SAMPLE_*);
+        bad values raise `InvalidSampling` before anything is stored. `grammar` (an
+        engine.grammar.Grammar) constrains the reply, e.g. to a JSON schema or a tool call;
+        `extra_system` is appended to the system segment for this turn (tool definitions).
+        `copy_ngram` (default: config.copy_guard_ngram): the reply may not repeat that many
+        tokens in a row of an earlier reply of this session still in the prompt.
         `question_aware_tokens`: compress the recalled memories against `text` to about that
         many tokens (LongLLMLingua); their cached KV cannot be reused for this turn."""
-        params = SamplingParams(max_tokens=max_tokens or self.config.reply_tokens, temperature=temperature,
-                                top_p=top_p, stop=stop or [], seed=seed).validate()
+        params = with_defaults(getattr(self.engine, "sampling_defaults", {}),
+                               max_tokens=max_tokens or self.config.reply_tokens, temperature=temperature,
+                               top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                               frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                               logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs,
+                               stop=stop or [], seed=seed, grammar=grammar).validate()
         with self._lock:
             text = clean_text(text, "message")
             self.sync()
             user_msg = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
                                                [{"role": "user", "content": text}])
             ctx, evicted = self._prepare(text, persist=True, exclude={user_msg[0].id})
+            if extra_system:
+                ctx = self.assembler.add_system(ctx, extra_system)
             if question_aware_tokens is not None:
                 from .compress import Compressor, question_aware
 
@@ -111,11 +127,17 @@ class AgentSession:
                 ctx = question_aware(ctx, self._compressor, text, question_aware_tokens)
             self.working.push(user_msg)
             self._seen = (self._seen[0] + 1, user_msg[0].id)
+            n = self.config.copy_guard_ngram if copy_ngram is None else copy_ngram
+            if n:
+                earlier = [self.engine.encode(m.text) for m in self.working.queue if m.role == "assistant"]
+                params = replace(params, copy_ngram=n, copy_sources=earlier).validate()
             gen = self.engine.stream(ctx.prompt, params)
         pieces = self._finish(gen, ctx, user_msg[0], evicted)
         if stream:
             return pieces
-        return "".join(pieces)
+        for _ in pieces:
+            pass
+        return gen.result.text  # not the pieces: a looping reply streamed cycles it then cut
 
     def _finish(self, gen, ctx: Context, user_msg: Message, evicted: list[int]) -> Iterator[str]:
         yield from gen
@@ -130,7 +152,7 @@ class AgentSession:
                 self._seen = (self._seen[0] + 1, stored[0].id)
                 ids.append(stored[0].id)
             trace = TurnTrace(self.session_id, _segment_trace(ctx, result.stats), _memories_trace(ctx),
-                              result.stats, ids, evicted, reply)
+                              result.stats, ids, evicted, reply, result.logprobs)
             self.store.record_turn(self.tenant_id, self.user_id, self.session_id, trace.to_dict())
             self.last_turn = trace
 
@@ -144,7 +166,8 @@ class AgentSession:
         hits = self.store.search(self.tenant_id, self.user_id, text, k=self.config.recall_k,
                                  exclude_messages={m.id for m in working.queue} | set(exclude))
         memories = self.assembler.select_memories(hits)
-        ctx = self.assembler.build(blocks, working.summary, memories, working.queue, text, namespace=self.tenant_id)
+        recent = [m for m in working.queue if self.config.prompt_replies or m.role != "assistant"]
+        ctx = self.assembler.build(blocks, working.summary, memories, recent, text, namespace=self.tenant_id)
         return ctx, [m.id for m in evicted]
 
     # --- the rest of the API -----------------------------------------------------------------

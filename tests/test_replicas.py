@@ -117,7 +117,7 @@ def test_turns_alternating_between_replicas(db_url, tmp_path, engine, embedder):
     gone from the other, in-memory session included."""
     a, b = _replicas(tmp_path, db_url, embedder)
     try:
-        cfg = a.config.model_copy(update={"context_budget": 1024})
+        cfg = a.config.model_copy(update={"context_budget": 1024, "prompt_replies": True})  # every turn in the prompt
         sa_ = AgentSession("u", tenant_id="t", session_id="s1", config=cfg, engine=engine, store=a)
         sb = AgentSession("u", tenant_id="t", session_id="s1", config=cfg, engine=engine, store=b)
         said = [f"Note {i}: my locker code is {1000 + 37 * i}." for i in range(4)]

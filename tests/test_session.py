@@ -129,9 +129,10 @@ def test_bad_input_is_refused_before_anything_is_stored(make):
 
 def test_sampling_reaches_the_engine(make):
     s = make()
-    free = s.chat("Count from one to ten in words, separated by commas.", max_tokens=24)
+    greedy = {"temperature": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    free = s.chat("Count from one to ten in words, separated by commas.", max_tokens=24, **greedy)
     assert "," in free
-    cut = s.chat("Count from one to ten in words, separated by commas.", max_tokens=24, stop=",")
+    cut = s.chat("Count from one to ten in words, separated by commas.", max_tokens=24, stop=",", **greedy)
     assert "," not in cut and len(cut) < len(free)
     a = make(user="carol").chat("Say something about the sea.", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     b = make(user="bob").chat("Say something about the sea.", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)

@@ -47,7 +47,7 @@ def test_constrained_decoding_always_gives_a_valid_call(engine):
     prompt = (sys_open + TOOL_PROMPT + sys_close
               + engine.format_message("user", "Please remember that my favourite tea is oolong.")
               + engine.chat.generation_prefix)
-    call = generate_tool_call(engine, prompt, max_arg_tokens=12)
+    call = generate_tool_call(engine, prompt)
     assert call.name in TOOLS and set(call.args) == set(TOOLS[call.name])
     assert all(v and '"' not in v for v in call.args.values())
     assert parse_tool_call(call.to_json()) == call

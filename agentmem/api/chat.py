@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from ..config import Config
+from ..engine.sampler import with_defaults
 from .errors import ApiError
 from .limits import Limits
-from .roles import prompt_role
+from .reply_format import ReplyFormat, plan, render_message
 from .schemas import ChatCompletionRequest, storable
 
 MAX_OPEN_SESSIONS = 256
@@ -44,6 +45,8 @@ class TurnResult:
     finish_reason: str = "stop"
     session_id: str | None = None
     memories_used: list[str] = field(default_factory=list)
+    engine_finish: str = ""  # the engine's reason, "repetition" included
+    logprobs: list | None = None  # per token: (id, logprob, [(id, logprob)])
 
     @property
     def cache_hit_ratio(self) -> float:
@@ -61,8 +64,8 @@ def default_session_id(tenant_id: str, user_id: str) -> str:
     return "default-" + hashlib.sha256(f"{tenant_id}\x00{user_id}".encode()).hexdigest()[:24]
 
 
-def _from_stats(stats, text: str, session_id: str | None, memories: list[str]) -> TurnResult:
-    return TurnResult(text=text, prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+def _from_stats(stats, text: str, session_id: str | None, memories: list[str], logprobs=None) -> TurnResult:
+    return TurnResult(engine_finish=getattr(stats, "finish_reason", ""), logprobs=logprobs,text=text, prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
                       reused_tokens=stats.reused_tokens, recomputed_tokens=getattr(stats, "recomputed_tokens", 0),
                       prefilled_tokens=getattr(stats, "prefilled_tokens", 0), ttft_s=stats.ttft_s,
                       finish_reason=_finish(getattr(stats, "finish_reason", "stop")), session_id=session_id,
@@ -108,7 +111,36 @@ class ChatService:
                            param="messages")
         if req.user is None and req.session_id is not None:
             raise ApiError(400, "session_id needs a user", code="session_without_user", param="session_id")
+        if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+            raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}", code="invalid_sampling",
+                           param="temperature")
+        self.sampling(req, wanted).validate()  # InvalidSampling: a 400 naming the field
         return wanted
+
+    def reply_format(self, req: ChatCompletionRequest) -> ReplyFormat:
+        """What the reply must be (prose, tool call, JSON); a bad tool or schema is a 400."""
+        engine = self.engine()
+        return plan(req, getattr(engine, "grammars", None))
+
+    def sampling(self, req: ChatCompletionRequest, max_tokens: int, fmt: ReplyFormat | None = None):
+        """The request's sampling on top of the model's defaults (OpenAI names)."""
+        bias = None
+        if req.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids", code="invalid_sampling",
+                               param="logit_bias") from None
+        return with_defaults(getattr(self.engine(), "sampling_defaults", {}), **self._sampling_kw(req, max_tokens, fmt),
+                             logit_bias=bias)
+
+    @staticmethod
+    def _sampling_kw(req: ChatCompletionRequest, max_tokens: int, fmt: ReplyFormat | None) -> dict:
+        return dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                    frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                    logprobs=req.logprobs, top_logprobs=req.top_logprobs, stop=req.stops(), seed=req.seed,
+                    grammar=fmt.grammar if fmt is not None else None)
 
     # --- sessions ------------------------------------------------------------------------
     def _session(self, tenant_id: str, req: ChatCompletionRequest) -> tuple[_Open, bool]:
@@ -137,56 +169,67 @@ class ChatService:
                 del self._open[key]
 
     # --- turns ---------------------------------------------------------------------------
-    def run(self, tenant_id: str, req: ChatCompletionRequest, max_tokens: int) -> tuple[Iterator[str], Callable[[], TurnResult]]:
+    def run(self, tenant_id: str, req: ChatCompletionRequest, max_tokens: int, fmt: ReplyFormat | None = None
+            ) -> tuple[Iterator[str], Callable[[], TurnResult]]:
         """Start a turn: (iterator of text pieces, result() valid once the iterator is done)."""
+        fmt = fmt or ReplyFormat()
         if req.user is None:
-            return self._stateless(tenant_id, req, max_tokens)
-        return self._remembered(tenant_id, req, max_tokens)
+            return self._stateless(tenant_id, req, max_tokens, fmt)
+        return self._remembered(tenant_id, req, max_tokens, fmt)
 
     def _one_at_a_time(self):
         return self._serial if self._serial is not None else contextlib.nullcontext()
 
-    def _stateless(self, tenant_id: str, req, max_tokens: int):
+    def _stateless(self, tenant_id: str, req, max_tokens: int, fmt: ReplyFormat):
         engine = self.engine()
-        segments = [replace(s, namespace=tenant_id) for s in
-                    engine.chat_segments([{"role": prompt_role(m.role), "content": m.text()} for m in req.messages])]
+        messages = [dict(zip(("role", "content"), render_message(m), strict=True)) for m in req.messages]
+        if fmt.system:
+            if messages[0]["role"] == "system":
+                messages[0]["content"] += "\n\n" + fmt.system
+            else:
+                messages.insert(0, {"role": "system", "content": fmt.system})
+        segments = [replace(s, namespace=tenant_id) for s in engine.chat_segments(messages)]
+        params = self.sampling(req, max_tokens, fmt)
         done: dict[str, TurnResult] = {}
 
         def pieces() -> Iterator[str]:
             with self._one_at_a_time():
-                stream = engine.stream(segments, max_tokens=max_tokens, temperature=req.temperature,
-                                       top_p=req.top_p, stop=req.stops(), seed=req.seed)
+                stream = engine.stream(segments, params)
                 try:
                     yield from stream
                 finally:
                     stream.close()
                 g = stream.result
-                done["r"] = _from_stats(g.stats, g.text, None, [])
+                done["r"] = _from_stats(g.stats, g.text, None, [], g.logprobs)
 
         return pieces(), lambda: done["r"]
 
-    def _remembered(self, tenant_id: str, req, max_tokens: int):
+    def _remembered(self, tenant_id: str, req, max_tokens: int, fmt: ReplyFormat):
         opened, new = self._session(tenant_id, req)
         key_sid = req.session_id or default_session_id(tenant_id, req.user)
         session = opened.session
         text = req.messages[-1].text()
         earlier = [{"role": m.role, "content": m.text()} for m in req.messages[:-1]
                    if m.role in ("user", "assistant") and m.text().strip()]
+        p = self.sampling(req, max_tokens, fmt)
+        kw = {k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                         "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
+                                         "top_logprobs", "stop", "seed", "grammar")}
         done: dict[str, TurnResult] = {}
 
         def pieces() -> Iterator[str]:
             with opened.lock, self._one_at_a_time():
                 if new and earlier:
                     session.add_messages(earlier)
-                out = session.chat(text, stream=True, max_tokens=max_tokens, temperature=req.temperature,
-                                   top_p=req.top_p, stop=req.stops(), seed=req.seed)
+                out = session.chat(text, stream=True, max_tokens=max_tokens, extra_system=fmt.system, **kw)
                 parts = []
                 for piece in out:
                     parts.append(piece)
                     yield piece
                 turn = session.last_turn
                 mems = [m["ref"] if isinstance(m, dict) else str(m) for m in turn.memories_used]
-                done["r"] = _from_stats(turn.stats, "".join(parts), key_sid, mems)
+                text_out = "".join(parts) if turn.stats.finish_reason != "repetition" else turn.reply
+                done["r"] = _from_stats(turn.stats, text_out, key_sid, mems, turn.logprobs)
 
         return pieces(), lambda: done["r"]
 

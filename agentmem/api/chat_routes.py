@@ -19,6 +19,7 @@ from ..engine.weights import DEFAULT_MODEL_ID
 from .chat import TurnResult, now
 from .deps import Caller, caller, services
 from .disconnect import until_disconnected
+from .reply_format import CALL_OPEN, ReplyFormat, parse_calls
 from .schemas import (
     AssistantMessage,
     CacheStats,
@@ -51,7 +52,27 @@ def _usage(r: TurnResult) -> Usage:
 def _extras(r: TurnResult) -> CacheStats:
     return CacheStats(reused_tokens=r.reused_tokens, recomputed_tokens=r.recomputed_tokens,
                       prefilled_tokens=r.prefilled_tokens, cache_hit_ratio=r.cache_hit_ratio, ttft_s=r.ttft_s,
-                      memories_used=r.memories_used)
+                      memories_used=r.memories_used, finish_reason=r.engine_finish)
+
+
+def _logprobs(r: TurnResult, svc) -> dict | None:
+    """OpenAI's choice.logprobs: per token its text, log-probability, bytes and alternatives."""
+    if r.logprobs is None:
+        return None
+    decode = svc.engine().decode
+
+    def entry(tok: int, lp: float) -> dict:
+        text = decode([tok])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in alts]} for t, lp, alts in r.logprobs]}
+
+
+def _message(text: str, r: TurnResult, fmt: ReplyFormat) -> tuple[AssistantMessage, str]:
+    calls = parse_calls(text, fmt)
+    if calls:
+        return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+    return AssistantMessage(content=text), r.finish_reason
 
 
 @router.post("/chat/completions", response_model=ChatCompletion,
@@ -61,14 +82,16 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
     """One chat turn. With `user`, that user's memory is recalled and the turn is stored;
     `session_id` (an agentmem extension) picks the conversation, default: the user's own."""
     max_tokens = svc.chat.check(req)
+    fmt = svc.chat.reply_format(req)
     model = _model_id(svc) if svc.engine_loaded else req.model
     cid = "chatcmpl-" + uuid.uuid4().hex
     m = svc.metrics
     m.queue.inc()
     try:
-        pieces, result = svc.chat.run(who.tenant_id, req, max_tokens)
+        pieces, result = svc.chat.run(who.tenant_id, req, max_tokens, fmt)
         if not req.stream:
-            text = "".join(until_disconnected(pieces, getattr(request.state, "client_gone", None)))
+            for _ in until_disconnected(pieces, getattr(request.state, "client_gone", None)):
+                pass
     except BaseException:
         m.queue.dec()
         raise
@@ -76,8 +99,9 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
         m.queue.dec()
         r = result()
         m.observe_generation(who.tenant_id, r.prompt_tokens, r.completion_tokens, r.reused_tokens, r.ttft_s)
+        message, finish = _message(r.text, r, fmt)  # r.text: a looping reply holds one cycle
         return ChatCompletion(id=cid, created=now(), model=_model_id(svc),
-                              choices=[Choice(message=AssistantMessage(content=text), finish_reason=r.finish_reason)],
+                              choices=[Choice(message=message, finish_reason=finish, logprobs=_logprobs(r, svc))],
                               usage=_usage(r), session_id=r.session_id, agentmem=_extras(r))
     try:
         first = next(pieces, None)
@@ -85,30 +109,54 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
         m.queue.dec()
         _close(pieces)
         raise
-    return StreamingResponse(_sse(cid, model, who.tenant_id, req, first, pieces, result, svc),
+    return StreamingResponse(_sse(cid, model, who.tenant_id, req, first, pieces, result, svc, fmt),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _chunk(cid: str, model: str, delta: dict, finish: str | None = None, **extra) -> str:
+def _chunk(cid: str, model: str, delta: dict, finish: str | None = None, logprobs: dict | None = None,
+           **extra) -> str:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    if logprobs:
+        choice["logprobs"] = logprobs
     body = {"id": cid, "object": "chat.completion.chunk", "created": now(), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+            "choices": [choice], **extra}
     return f"data: {json.dumps(body)}\n\n"
 
 
 def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first: str | None,
-         pieces: Iterator[str], result, svc) -> Iterator[str]:
+         pieces: Iterator[str], result, svc, fmt: ReplyFormat) -> Iterator[str]:
+    """Text streams as it comes. A reply that may be a tool call is held until its first
+    characters tell (under the grammar a call starts with the call tag, prose cannot), and
+    a call is sent whole in one tool_calls delta once it has closed."""
     m = svc.metrics
     try:
         yield _chunk(cid, model, {"role": "assistant", "content": ""})
-        if first:
-            yield _chunk(cid, model, {"content": first})
-        for piece in pieces:
-            if piece:
+        held, calling = "", None
+        for piece in _chain(first, pieces):
+            if not piece:
+                continue
+            if fmt.may_call and calling is None:
+                held += piece
+                if len(held.lstrip()) < len(CALL_OPEN) and CALL_OPEN.startswith(held.lstrip()):
+                    continue
+                calling, piece, held = held.lstrip().startswith(CALL_OPEN), held, ""
+            if calling:
+                held += piece
+            else:
                 yield _chunk(cid, model, {"content": piece})
         r = result()
         m.observe_generation(tenant_id, r.prompt_tokens, r.completion_tokens, r.reused_tokens, r.ttft_s)
-        yield _chunk(cid, model, {}, r.finish_reason, session_id=r.session_id,
-                     agentmem=_extras(r).model_dump())
+        finish = r.finish_reason
+        if held:
+            calls = parse_calls(held, fmt)
+            if calls:
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                finish = "tool_calls"
+            else:
+                delta = {"content": held}
+            yield _chunk(cid, model, delta)
+        lp = _logprobs(r, svc)
+        yield _chunk(cid, model, {}, finish, lp, session_id=r.session_id, agentmem=_extras(r).model_dump())
         if req.stream_options and req.stream_options.include_usage:
             body = {"id": cid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [],
                     "usage": _usage(r).model_dump()}
@@ -119,6 +167,12 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
     finally:
         m.queue.dec()
         _close(pieces)
+
+
+def _chain(first: str | None, pieces: Iterator[str]) -> Iterator[str]:
+    if first:
+        yield first
+    yield from pieces
 
 
 def _close(pieces) -> None:

@@ -29,10 +29,26 @@ class ContentPart(BaseModel):
     text: str = ""
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
     content: str | list[ContentPart] | None = ""
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, sent back
+    tool_call_id: str | None = None  # a tool's result: which call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -44,14 +60,66 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; checked by api/reply_format.py (400 with the reason)
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "function"
+    function: FunctionDef | None = None
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "reply"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"  # text | json_object | json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(BaseModel):
+    """Sampling fields left out take the model's defaults (generation_config.json, the model
+    card, AGENTMEM_SAMPLE_*); ranges are OpenAI's and are checked with a 400 naming the
+    field. top_k, min_p and repetition_penalty are extensions, as in vLLM."""
     model_config = ConfigDict(extra="ignore")
     model: str = Field("agentmem", max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=1)
@@ -76,13 +144,15 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: dict | None = None
 
 
 class CacheStats(BaseModel):
@@ -93,6 +163,7 @@ class CacheStats(BaseModel):
     cache_hit_ratio: float = 0.0
     ttft_s: float = 0.0
     memories_used: list[str] = []
+    finish_reason: str = ""  # the engine's own: also "repetition" (a loop cut to one cycle)
 
 
 class ChatCompletion(BaseModel):

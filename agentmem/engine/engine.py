@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
+from .grammar import GrammarCompiler
 from .kernels.reference import sdpa
 from .layers import visible
 from .loop import EngineLoop
@@ -80,6 +82,7 @@ class Generation:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # per token: id, logprob, top alternatives
 
 
 def pick_device(name: str) -> torch.device:
@@ -165,6 +168,10 @@ class Engine:
         self._planner: PrefillPlanner | None = None
         self._lock = threading.Lock()
         self._loop: EngineLoop | None = None
+        self.grammars = GrammarCompiler(tokenizer, model.args.vocab_size, sorted(self.eos_ids))
+        # what a reply uses when the caller does not say: generation_config.json, the model
+        # card, then AGENTMEM_SAMPLE_* settings (engine/defaults.py)
+        self.sampling_defaults: dict = sampling_defaults(Path(path) if path is not None else None, model_id, config)
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -259,7 +266,8 @@ class Engine:
         """Start generating; iterate the result for text pieces as tokens are produced.
         Thread-safe: concurrent streams are decoded together in one batch. `loop` runs the
         request on another EngineLoop (e.g. one with a different pool size) than the default."""
-        params = (params or SamplingParams(**kw)).validate()
+        params = (params or SamplingParams(**kw)).validate(self.model.args.vocab_size)
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         parts = self.tokenize_prompt(prompt)
         ids = [t for part in parts for t in part[0]]
         loop = loop or self.loop
@@ -274,6 +282,7 @@ class Engine:
             salt="\x00".join(sorted({s.namespace for _, _, s in parts})),
             parts=parts if planned else None,
             shareable=not planned,
+            matcher=matcher,
         )
         loop.submit(seq)
         return GenerationStream(seq)

@@ -18,7 +18,7 @@ import torch
 from .block_manager import BlockManager
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import penalize, sample_row, top_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 
@@ -141,9 +141,29 @@ class EngineLoop:
             return
         logits = torch.stack([lg for _, lg in ready]).float()
         greedy = logits.argmax(-1).tolist()
-        for j, (seq, lg) in enumerate(ready):
-            tok = greedy[j] if seq.params.temperature == 0.0 else int(sample(lg[None], seq.params, seq.generator)[0])
+        for j, (seq, _) in enumerate(ready):
+            p = seq.params
+            tok = greedy[j] if p.plain_greedy else self._choose(seq, logits[j])
+            if p.logprobs:
+                lp, alts = top_logprobs(logits[j], tok, p.top_logprobs)
+                seq.logprobs.append((tok, lp, alts))
             self._advance(seq, tok)
+
+    @staticmethod
+    def _choose(seq: Sequence, row: torch.Tensor) -> int:
+        """The sequence's own settings on its own row: penalties, grammar mask, sampling."""
+        p = seq.params
+        x = penalize(row, p, seq.prompt_set() if p.repetition_penalty != 1.0 else None, seq.generated)
+        if seq.loop_ban:
+            x[list(seq.loop_ban)] -= 100.0
+        n = p.copy_ngram
+        if seq.copies and len(seq.generated) >= n - 1:
+            banned = seq.copies.get(tuple(seq.generated[len(seq.generated) - n + 1 :]))
+            if banned:
+                x[list(banned)] -= 100.0  # not -inf: a grammar may allow nothing else
+        if seq.matcher is not None:
+            seq.matcher.mask(x)
+        return sample_row(x, p, seq.generator)
 
     def _advance(self, seq: Sequence, tok: int) -> None:
         e, p = self.engine, seq.params
@@ -152,6 +172,10 @@ class EngineLoop:
         if tok in e.eos_ids and not p.ignore_eos:
             return self._finish(seq, "stop")
         seq.token_ids.append(tok)
+        if seq.matcher is not None:
+            seq.matcher.consume(tok)
+        if p.stop_loops and self._looped(seq, tok):
+            return self._finish(seq, "repetition")
         text = e.decode(seq.generated)
         cut = _stop_cut(text, p.stop)
         if cut is not None:
@@ -163,8 +187,26 @@ class EngineLoop:
         if safe > seq.emitted:
             seq.out.put(text[seq.emitted : safe])
             seq.emitted = safe
-        if len(seq.generated) >= seq.max_new:
+        if seq.matcher is not None and seq.matcher.done:
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= seq.max_new:
             self._finish(seq, "length")
+
+    def _looped(self, seq: Sequence, tok: int) -> bool:
+        """Whether the reply just closed a repeated cycle. A free reply is cut to the text
+        before the loop plus one cycle; a grammar-bound one cannot stop mid-value, so the
+        cycle's tokens are pushed down from now on and it goes on to close its value."""
+        keep = seq.loops.push(tok)
+        if keep is None:
+            return False
+        if seq.matcher is not None:
+            seq.loop_ban.update(seq.generated[keep:])
+            return False
+        del seq.token_ids[seq.prompt_len + keep :]
+        if seq.logprobs:
+            del seq.logprobs[keep:]
+        seq.text = self.engine.decode(seq.generated)
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         from .engine import Generation, GenerationStats
@@ -184,7 +226,7 @@ class EngineLoop:
             finish_reason=reason,
             segments=seq.segments,
         )
-        seq.out.put(Generation(seq.text, list(seq.generated), stats))
+        seq.out.put(Generation(seq.text, list(seq.generated), stats, list(seq.logprobs) if seq.params.logprobs else None))
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

@@ -139,6 +139,7 @@ class RemoteEngine:
             body["stop"] = params.stop
         if params.seed is not None:
             body["seed"] = params.seed
+        body |= _sampling_fields(params)
         start = time.perf_counter()
         return RemoteStream(self, self._request("POST", "/v1/completions", json=body, stream=True), n, start)
 
@@ -257,3 +258,17 @@ def _window_from(path: Path) -> int:
     except (OSError, ValueError):
         return DEFAULT_CONTEXT
     return int(cfg.get("max_position_embeddings") or DEFAULT_CONTEXT)
+
+
+def _sampling_fields(params: SamplingParams) -> dict:
+    """The sampling settings that differ from off, under the names OpenAI-compatible servers
+    take (top_k, min_p and repetition_penalty as vLLM and llama.cpp's server do). A grammar
+    does not pass: the server decodes freely and the caller checks what comes back."""
+    out = {"frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
+           "top_k": params.top_k, "min_p": params.min_p}
+    out = {k: v for k, v in out.items() if v}
+    if params.repetition_penalty != 1.0:
+        out["repetition_penalty"] = params.repetition_penalty
+    if params.logit_bias:
+        out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    return out

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampler import SamplingParams
+from .repetition import LoopDetector
+from .sampler import SamplingParams, copy_index
 
 _ids = itertools.count()
 
@@ -39,15 +40,29 @@ class Sequence:
     segments: list[dict] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # characters of `text` already sent
+    matcher: object | None = None  # grammar.Matcher when params.grammar is set
+    loops: LoopDetector = field(default_factory=LoopDetector)
+    loop_ban: set[int] = field(default_factory=set)  # tokens of a cycle a grammar-bound reply fell into
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    _prompt_set: torch.Tensor | None = None
+    copies: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # sampler.copy_index of the params
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.copy_ngram:
+            self.copies = copy_index(self.params.copy_sources, self.params.copy_ngram)
 
     @property
     def generated(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    def prompt_set(self) -> torch.Tensor:
+        """The distinct prompt token ids (the repetition penalty reads them every step)."""
+        if self._prompt_set is None:
+            self._prompt_set = torch.tensor(self.token_ids[: self.prompt_len], dtype=torch.long).unique()
+        return self._prompt_set
 
     @property
     def num_pending(self) -> int:

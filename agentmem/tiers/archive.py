@@ -647,6 +647,15 @@ class Archive:
             s.flush()
             return R.Turn(row.id, row.session_id, row.trace, from_db_time(row.created_at))
 
+    def looped_replies(self, tenant_id: str, user_id: str) -> set[int]:
+        """Ids of the user's stored replies that the engine's loop detector cut (their turn's
+        finish_reason is "repetition"): recall ranks them lower."""
+        reason = TurnRow.trace[("stats", "finish_reason")].as_string()
+        q = select(TurnRow.trace).where(TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id,
+                                        reason == "repetition")
+        with self.tx() as s:
+            return {t["message_ids"][-1] for t in s.scalars(q) if len(t.get("message_ids", [])) > 1}
+
     def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50) -> list[R.Turn]:
         q = select(TurnRow).where(TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id)
         if session_id is not None:

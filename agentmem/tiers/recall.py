@@ -54,6 +54,7 @@ HALF_LIFE_DAYS = 30.0
 RECENCY_WEIGHT = 0.2
 IMPORTANCE_WEIGHT = 0.2
 ASSISTANT_WEIGHT = 0.85  # an unnamed assistant turn is the model's own reply: maybe wrong
+LOOPED_WEIGHT = 0.5  # a reply the loop detector cut (archive.looped_replies) is weaker evidence still
 RETRIEVERS = ("dense", "context", "lexical", "facts")
 _LABELS = (*RETRIEVERS, "time")  # "time": the dense and full-text search inside the question's time window
 RRF_K = 60
@@ -525,6 +526,8 @@ class Recall:
                 src.ranks["facts"] = min(src.ranks.get("facts", DEPTH), c.ranks["facts"])
         meta = self.archive.message_meta(tenant_id, user_id, [c.row_id for c in cands.values() if c.kind == _MESSAGE])
         mention = [p.lower() for p in pq.people]
+        looped = (self.archive.looped_replies(tenant_id, user_id)
+                  if any(m.role == "assistant" for m in meta.values()) else set())
         scored = []
         for c in cands.values():
             row = meta.get(c.row_id) if c.kind == _MESSAGE else mems.get(c.row_id)
@@ -542,7 +545,7 @@ class Recall:
             else:
                 score *= ui.info.get(row.id, 1.0)
                 if row.role == "assistant" and not row.name:
-                    score *= ASSISTANT_WEIGHT
+                    score *= ASSISTANT_WEIGHT * (LOOPED_WEIGHT if row.id in looped else 1.0)
             if pq.window is not None:
                 if pq.window.contains(when):
                     score *= WINDOW_BOOST

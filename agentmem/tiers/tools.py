@@ -1,10 +1,10 @@
 """Optional MemGPT-style memory tools, for models able to call them.
 
 The default path manages memory automatically (a 135M model cannot call tools reliably).
-For a model that can, `generate_tool_call` decodes a call under a constraint: the JSON
-skeleton is fixed text, the tool name is picked by the model's likelihood among the known
-names, and only the string arguments are generated (ending at a quote). The result always
-parses and always names a real tool with all of its arguments; `run_tool` executes it.
+For a model that can, `generate_tool_call` decodes a call under the engine's grammar (the
+same llguidance path as the chat API's `tools`): a JSON object naming one of the tools with
+exactly its string arguments. The result always parses and always names a real tool with
+all of its arguments; `run_tool` executes it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
-
+from ..engine.grammar import Grammar
 from .records import InvalidInput
 from .store import MemoryStore
 
@@ -80,26 +79,21 @@ def run_tool(store: MemoryStore, tenant_id: str, user_id: str, session_id: str, 
     return "\n".join(f"- {h.time:%Y-%m-%d} {h.text}" for h in hits) or "no results"
 
 
-@torch.inference_mode()
-def _name_logprob(engine, prefix_ids: list[int], name_ids: list[int]) -> float:
-    """Mean per-token log-probability, so longer names are not penalised for their length."""
-    logits = engine.logits(prefix_ids + name_ids).float()
-    logp = torch.log_softmax(logits[len(prefix_ids) - 1: -1], dim=-1)
-    return float(logp[torch.arange(len(name_ids)), torch.tensor(name_ids)].mean())
+def call_grammar() -> Grammar:
+    """Any one call of TOOLS, as JSON."""
+    arg = {"type": "string", "minLength": 1, "maxLength": 200, "pattern": '^[^"\\\\\\n]*$'}
+    return Grammar.json_schema({"anyOf": [
+        {"type": "object", "properties": {"tool": {"const": name},
+                                          "args": {"type": "object", "properties": {a: arg for a in args},
+                                                   "required": list(args), "additionalProperties": False}},
+         "required": ["tool", "args"], "additionalProperties": False}
+        for name, args in TOOLS.items()]})
 
 
-def generate_tool_call(engine, prompt: str, max_arg_tokens: int = 48) -> ToolCall:
+def generate_tool_call(engine, prompt: str, max_tokens: int = 160) -> ToolCall:
     """Decode a tool call for `prompt` (chat text ending in the generation prefix) under the
-    JSON constraint described above."""
-    text = prompt + '{"tool": "'
-    prefix = engine.encode(text)
-    name = max(TOOLS, key=lambda n: _name_logprob(engine, prefix, engine.encode(n + '"')))
-    text += name + '", "args": {'
-    args: dict[str, str] = {}
-    for i, arg in enumerate(TOOLS[name]):
-        text += (", " if i else "") + f'"{arg}": "'
-        value = engine.generate(text, max_tokens=max_arg_tokens, stop=['"', "\n"]).text
-        value = value.replace("\\", "").strip() or "-"
-        args[arg] = value
-        text += json.dumps(value)[1:]
-    return parse_tool_call(json.dumps({"tool": name, "args": args}))
+    grammar of `call_grammar`; greedy, so the same prompt gives the same call."""
+    g = engine.generate(prompt, max_tokens=max_tokens, temperature=0.0, grammar=call_grammar())
+    if g.stats.finish_reason == "length":
+        raise InvalidInput(f"the tool call did not close within {max_tokens} tokens")
+    return parse_tool_call(g.text)

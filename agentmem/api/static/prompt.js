@@ -86,6 +86,14 @@ function memoriesUsed(trace, onRef) {
       refLink(m.ref, onRef), ` ${m.kind ?? ""} · score ${m.score ?? "–"} · `, m.text))));
 }
 
+// The loop detector cut this reply (engine/repetition.py): say so, and what was kept.
+function looped(trace) {
+  if (stat(trace, "finish_reason") !== "repetition") return null;
+  return h("p", { class: "looped" }, h("span", { class: "badge looped" }, "looped"),
+    " the reply repeated itself; it was stopped and stored with one cycle, and recall ranks it lower: ",
+    h("q", {}, trace.reply ?? ""));
+}
+
 export function renderTurn(turn, { onRef } = {}) {
   const trace = turn.trace || {};
   const segs = segmentsOf(trace);
@@ -99,7 +107,9 @@ export function renderTurn(turn, { onRef } = {}) {
       statBox(String(prompt), "prompt tokens"),
       statBox(`${(hitRatio(trace) * 100).toFixed(0)}%`, "KV cache hit ratio"),
       statBox(String(stat(trace, "completion_tokens") ?? "–"), "reply tokens"),
+      statBox(String(stat(trace, "finish_reason") || "–"), "finish reason"),
       statBox(String(segs.length), "segments")),
+    looped(trace),
     h("div", { class: "bar", title: "segments by tier, width = tokens" },
       segs.map((x) => h("div", { class: `tier-${x.tier}`, style: `flex:${x.tokens}`, title: tip(x) }))),
     h("div", { class: "bar kv", title: "where each segment's KV came from" },

@@ -1,0 +1,180 @@
+"""What a chat request asks its reply to be: prose, a tool call, or JSON matching a schema.
+
+OpenAI's `tools` / `tool_choice` / `response_format` become, for the embedded engine, a
+system-prompt addition (the tool signatures, Hermes-style `<tool_call>` tags, which the
+instruct models this engine runs were tuned on) and a grammar the reply is decoded under, so
+a call always parses and its arguments match the tool's schema. Definitions are checked
+first: a bad schema or tool is a 400 that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from ..engine.grammar import Grammar, InvalidGrammar
+from .errors import ApiError
+from .roles import prompt_role
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass
+class ReplyFormat:
+    grammar: Grammar | None = None
+    system: str | None = None  # added to the system message for this turn
+    tools: dict[str, dict] = field(default_factory=dict)  # name -> parameters schema
+    calls: str = "none"  # none | auto | required: whether the reply may / must be a tool call
+
+    @property
+    def may_call(self) -> bool:
+        return self.calls != "none"
+
+
+def _bad(message: str, param: str, code: str = "invalid_schema") -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+def _check_schema(schema, param: str, compiler) -> dict:
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, dict):
+        raise _bad(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        raise _bad(f"{param} is not a valid JSON schema: {e.message}", param) from None
+    if compiler is not None:
+        try:
+            compiler.check(Grammar.json_schema(schema))
+        except InvalidGrammar as e:
+            raise _bad(f"{param}: {e}", param) from None
+    return schema
+
+
+def plan(req, compiler) -> ReplyFormat:
+    """Check the request's tools, tool_choice and response_format; what the reply must be.
+    `compiler` (the engine's GrammarCompiler) also checks that each schema compiles; None
+    skips that (a remote engine gets the fields as they are)."""
+    tools: dict[str, dict] = {}
+    for i, t in enumerate(req.tools or []):
+        p = f"tools.{i}"
+        if t.type != "function" or t.function is None:
+            raise _bad(f"{p}.type must be 'function' with a 'function' object", f"{p}.type", "invalid_tool")
+        name = t.function.name
+        if not _NAME.match(name or ""):
+            raise _bad(f"{p}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                       f"{p}.function.name", "invalid_tool")
+        if name in tools:
+            raise _bad(f"tool {name!r} is defined twice", f"{p}.function.name", "invalid_tool")
+        params = t.function.parameters if t.function.parameters is not None else {"type": "object", "properties": {}}
+        tools[name] = _check_schema(params, f"{p}.function.parameters", compiler)
+        if params.get("type", "object") != "object":
+            raise _bad(f"{p}.function.parameters must describe an object", f"{p}.function.parameters", "invalid_tool")
+    choice = req.tool_choice
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _bad("tool_choice must be 'auto', 'none', 'required' or a named function", "tool_choice",
+                       "invalid_tool_choice")
+        calls, only = (choice if tools else "none"), None
+        if choice == "required" and not tools:
+            raise _bad("tool_choice 'required' needs tools", "tool_choice", "invalid_tool_choice")
+    elif choice is not None:
+        only = choice.function.name
+        if only not in tools:
+            raise _bad(f"tool_choice names {only!r}, which is not in tools", "tool_choice", "invalid_tool_choice")
+        calls = "required"
+    else:
+        calls, only = ("auto" if tools else "none"), None
+
+    fmt = ReplyFormat(tools=tools, calls=calls)
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if fmt.may_call:
+            raise _bad("response_format with tools is not supported: use tool_choice 'none' or drop one",
+                       "response_format", "unsupported")
+        if rf.type == "json_object":
+            fmt.grammar, fmt.system = Grammar.json_object(), "Reply with one JSON object and nothing else."
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise _bad("response_format json_schema needs json_schema.schema", "response_format.json_schema")
+            schema = _check_schema(rf.json_schema.schema_, "response_format.json_schema.schema", compiler)
+            fmt.grammar = Grammar.json_schema(tighten(schema, max_string=1000))
+            fmt.system = ("Reply with one JSON value matching this JSON schema, and nothing else:\n"
+                          + json.dumps(schema))
+        else:
+            raise _bad("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format.type",
+                       "invalid_response_format")
+    if fmt.may_call:
+        names = [only] if only else list(tools)
+        fmt.grammar = Grammar.choice([_call_schema(n, tools[n]) for n in names], CALL_OPEN, CALL_CLOSE,
+                                     or_text=calls == "auto")
+        fmt.system = _tool_prompt(req.tools, only)
+    return fmt
+
+
+def _call_schema(name: str, params: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": tighten(params)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tighten(schema, max_string: int = 160):
+    """The schema a grammar decodes under: no properties beyond those declared and strings of
+    bounded length where the schema leaves them open. Everything it allows, the original
+    allows too; without it a 135M model fills a call with invented keys and endless strings
+    until max_tokens cuts the JSON."""
+    if isinstance(schema, list):
+        return [tighten(s, max_string) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (tighten(v, max_string) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v)
+           for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {k: tighten(v, max_string) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    if schema.get("type") == "string" and "enum" not in schema and "const" not in schema:
+        out.setdefault("maxLength", max_string)
+    return out
+
+
+def _tool_prompt(tools, only: str | None) -> str:
+    sigs = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+    ask = (f"Call the function {only} now." if only
+           else "If a function helps, call it; otherwise answer normally.")
+    return ("You can call functions. Their signatures:\n<tools>\n" + sigs + "\n</tools>\n"
+            f'To call one, reply with {CALL_OPEN}{{"name": NAME, "arguments": {{...}}}}{CALL_CLOSE}. ' + ask)
+
+
+def parse_calls(text: str, fmt: ReplyFormat) -> list[dict] | None:
+    """The tool calls in a reply, in OpenAI's shape (arguments as a JSON string), or None
+    when the reply is prose."""
+    body = text.strip()
+    if not fmt.may_call or not body.startswith(CALL_OPEN):
+        return None
+    body = body[len(CALL_OPEN):]
+    body = body[: body.rfind(CALL_CLOSE)] if CALL_CLOSE in body else body
+    try:
+        doc = json.loads(body)
+    except json.JSONDecodeError:
+        return None  # cut short (max_tokens): left as text, finish_reason says "length"
+    if not isinstance(doc, dict) or doc.get("name") not in fmt.tools or not isinstance(doc.get("arguments"), dict):
+        return None  # only without a grammar (a remote engine): not a call of a known tool
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": doc["name"], "arguments": json.dumps(doc["arguments"])}}]
+
+
+def render_message(m) -> tuple[str, str]:
+    """(role, text) of a request message for the prompt: an assistant's tool calls in the
+    same tags the model is asked to write, a tool's result wrapped as Hermes does."""
+    text = m.text()
+    if m.role == "assistant" and m.tool_calls:
+        calls = "".join(f'{CALL_OPEN}{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
+                        f"{CALL_CLOSE}" for c in m.tool_calls)
+        return "assistant", (text + "\n" if text else "") + calls
+    if prompt_role(m.role) == "tool":
+        return "tool", f"<tool_response>\n{text}\n</tool_response>"
+    return prompt_role(m.role), text

@@ -1,0 +1,141 @@
+"""Agent frameworks' side of the chat API, through the official openai client on a real
+server: tools (plain and streamed), a named tool_choice, a role tool reply sent back,
+response_format json_schema, sampling fields, and 400s that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from jsonschema import validate
+from openai import BadRequestError, OpenAI
+
+from agentmem.api import Limits, create_app, create_tenant_with_key
+from agentmem.api.local import LocalServer
+from agentmem.tiers.store import MemoryStore
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                       "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def oa(engine, embedder, tmp_path_factory):
+    data = tmp_path_factory.mktemp("tools")
+    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": None, "kv_disk_dir": data / "chunks"})
+    store = MemoryStore(cfg, embedder=embedder)
+    _, key = create_tenant_with_key(store, "acme")
+    limits = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=96, rate_per_minute=10_000)
+    with LocalServer(create_app(cfg, engine=engine, store=store, limits=limits)) as server:
+        yield OpenAI(base_url=server.url + "/v1", api_key=key)
+    store.close()
+
+
+def _args_valid(call, tool) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    args = json.loads(call.function.arguments)
+    validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_required_tool_call_has_openais_shape_and_valid_arguments(oa):
+    r = oa.chat.completions.create(model="agentmem", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                   max_tokens=64, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    tool = WEATHER if call.function.name == "get_weather" else TIME
+    _args_valid(call, tool)
+
+
+def test_named_tool_choice_streamed_and_a_tool_reply_sent_back(oa):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    chunks = list(oa.chat.completions.create(model="agentmem", messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
+                                             max_tokens=64, stream=True, seed=1))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(calls) == 1 and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    _args_valid(calls[0], TIME)
+    assert not "".join(d.content or "" for d in deltas)
+    back = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": calls[0].id, "type": "function",
+                       "function": {"name": "get_time", "arguments": calls[0].function.arguments}}]},
+                  {"role": "tool", "tool_call_id": calls[0].id, "content": "14:05"}]
+    r = oa.chat.completions.create(model="agentmem", messages=back, tools=[WEATHER, TIME], tool_choice="none",
+                                   max_tokens=24, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_auto_tool_choice_gives_a_call_or_prose_never_a_broken_call(oa):
+    for stream in (False, True):
+        if stream:
+            chunks = list(oa.chat.completions.create(model="agentmem", messages=ASK, tools=[WEATHER], max_tokens=64,
+                                                     stream=True, temperature=0))
+            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            m = oa.chat.completions.create(model="agentmem", messages=ASK, tools=[WEATHER], max_tokens=64,
+                                           temperature=0).choices[0].message
+            calls, text = m.tool_calls or [], m.content or ""
+        assert bool(calls) != bool(text.strip())
+        for c in calls:
+            _args_valid(c, WEATHER)
+        assert "<tool_call>" not in text
+
+
+def test_response_format_json_schema_matches(oa):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Invent a person with a name and an age."}]
+    r = oa.chat.completions.create(model="agentmem", messages=msgs, response_format=fmt, max_tokens=64, seed=4)
+    validate(json.loads(r.choices[0].message.content), schema)
+    chunks = oa.chat.completions.create(model="agentmem", messages=msgs, response_format={"type": "json_object"},
+                                        max_tokens=64, stream=True, temperature=0)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), dict)
+
+
+def test_sampling_fields_and_logprobs(oa):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = oa.chat.completions.create(model="agentmem", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                   top_logprobs=2, frequency_penalty=0.5, presence_penalty=0.2)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in lp)
+    assert "".join(t.token for t in lp) == r.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
+     "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                        "pattern": "(("}}}},
+     "schema"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_logprobs": 3}, "logprobs"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+])
+def test_invalid_tools_schemas_and_settings_are_400s_that_say_why(oa, body, says):
+    with pytest.raises(BadRequestError) as e:
+        oa.chat.completions.create(model="agentmem", messages=ASK, max_tokens=4, **body)
+    assert e.value.status_code == 400 and says in str(e.value)
+
+
+def test_remembered_turn_with_a_schema(oa):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    r = oa.chat.completions.create(model="agentmem", user="dora", max_tokens=48, temperature=0,
+                                   messages=[{"role": "user", "content": "I live in Oslo. Where do I live?"}],
+                                   response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    validate(json.loads(r.choices[0].message.content), schema)
+    assert httpx.codes.OK
