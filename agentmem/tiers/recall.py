@@ -612,7 +612,8 @@ def _all_vectors(index) -> tuple[np.ndarray, np.ndarray]:
 
 def _diverse(ranked: list, k: int, session_of: Callable) -> list:
     """Greedy: each further hit from a session counts SESSION_DECAY less, so the top k spread
-    over sessions when their scores are close, and stay together when they are not."""
+    over sessions when their scores are close, and stay together when they are not. The
+    order changes, the scores do not (a hit's score is its relevance)."""
     left = list(ranked)
     taken: dict[str, int] = {}
     out = []
@@ -621,7 +622,6 @@ def _diverse(ranked: list, k: int, session_of: Callable) -> list:
                    * SESSION_DECAY ** taken.get(session_of(left[i]), 0))
         item = left.pop(best)
         s = session_of(item)
-        item[0].score *= SESSION_DECAY ** taken.get(s, 0)
         if s is not None:
             taken[s] = taken.get(s, 0) + 1
         out.append(item)
