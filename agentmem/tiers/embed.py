@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 BATCH = 64  # texts per forward pass
-LOCK_BATCH = 256  # texts embedded per hold of the shared model
+LOCK_BATCH = 64  # texts embedded per hold of the shared model: one forward pass
 
 
 def default_model_dir() -> Path:
