@@ -57,7 +57,7 @@ ASSISTANT_WEIGHT = 0.85  # an unnamed assistant turn is the model's own reply: m
 LOOPED_WEIGHT = 0.5  # a reply the loop detector cut (archive.looped_replies) is weaker evidence still
 RETRIEVERS = ("dense", "context", "lexical", "facts")
 _LABELS = (*RETRIEVERS, "time")  # "time": the dense and full-text search inside the question's time window
-RRF_K = 60
+RRF_K = 10
 # a fact is distilled and checked by reflection: its one dense vote weighs more than a turn's
 WEIGHTS = {"dense": 1.0, "context": 0.8, "lexical": 1.0, "facts": 1.5, "time": 1.0}
 WINDOW_SLACK = timedelta(days=3)
