@@ -63,6 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--db-url", help="with --replicas: the PostgreSQL the replicas share (a schema of its own is used)")
     p.add_argument("--redis-url", help="with --replicas: also measure the shared chunk-KV tier in this Redis")
     p.add_argument("--kv-users", type=int, default=4, help="with --redis-url: users per arm of the KV measurement")
+    p.add_argument("--kv-turns", type=int, default=6, help="with --redis-url: turns on the first replica per user")
     return p
 
 
@@ -74,10 +75,11 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def measure(url: str | list[str], key: str, clients: int, requests: int, max_tokens: int, prefix: str,
-            stateless: bool = False, timeout: float = 900.0) -> dict:
+            stateless: bool = False, timeout: float = 900.0, sticky: bool = False) -> dict:
     """`clients` threads, each sending `requests` chat turns back to back, all starting
     together; latency is per request, throughput over the whole level's wall time. Given
-    several URLs (replicas), turn n of client i goes to URL (i + n) mod len."""
+    several URLs (replicas), turn n of client i goes to URL (i + n) mod len, or to URL i mod
+    len with `sticky` (a load balancer routing by user)."""
     urls = [url] if isinstance(url, str) else list(url)
     latencies: list[float] = []
     errors: list[str] = []
@@ -91,7 +93,7 @@ def measure(url: str | list[str], key: str, clients: int, requests: int, max_tok
                                                    timeout=timeout)) for u in urls]
             start.wait()
             for n in range(requests):
-                c = cs[(i + n) % len(cs)]
+                c = cs[(i if sticky else i + n) % len(cs)]
                 body = {"model": "agentmem", "max_tokens": max_tokens,
                         "messages": [{"role": "user", "content": QUESTIONS[(i + n) % len(QUESTIONS)]}]}
                 if not stateless:

@@ -1,8 +1,10 @@
 """`agentmem bench serve --replicas N`: N `agentmem serve` processes on one PostgreSQL, each
 pinned to a core of its own, with the clients' turns spread over them as a load balancer
-would (turn n of client i goes to replica (i + n) mod N, so a conversation alternates
-between replicas). The peer, in the same run on the same workload: one replica on one core.
-`replicas_speedup` is N replicas' throughput over one's at the highest level.
+would: routed by user (client i on replica i mod N: its chunk KV stays warm there), and
+alternating (turn n of client i on replica (i + n) mod N: every turn finds the other
+replica's writes). The peer, in the same run on the same workload: one replica on one core.
+`replicas_speedup` is N replicas' throughput (routed by user) over one's at the highest
+level; `alternating_speedup` the same for alternating turns.
 
 With `--redis-url`, a second part measures the shared chunk-KV tier: users have a first turn
 on replica A, then their next turn on replica B with Redis (A's chunk KV is there) or on
@@ -127,20 +129,22 @@ def shared_kv(root: Path, db_url: str, redis_url: str, args) -> dict:
         c = stack.enter_context(replica(root / "kv-c", db_url, None, args.max_tokens, args.dtype))
         # users in pairs with the same questions: one of each pair goes on to B, the other to C
         for i in range(2 * users):
-            for n in range(2):
+            for n in range(args.kv_turns):
                 _turn(a, key, f"kv-{i}", QUESTIONS[(i // 2 + n) % len(QUESTIONS)], args.max_tokens)
         time.sleep(1.0)  # A's writes to Redis leave the request path: let them land
-        with_redis, without = [], []
+        with_redis, without, prompt_tokens = [], [], []
         for i in range(2 * users):
             url, out = (b, with_redis) if i % 2 == 0 else (c, without)
-            r = _turn(url, key, f"kv-{i}", QUESTIONS[(i // 2 + 2) % len(QUESTIONS)], args.max_tokens)
+            r = _turn(url, key, f"kv-{i}", QUESTIONS[(i // 2 + args.kv_turns) % len(QUESTIONS)], args.max_tokens)
+            prompt_tokens.append(r["usage"]["prompt_tokens"])
             out.append(r["agentmem"]["ttft_s"])
         hit_ratio = _metric(b, "agentmem_kv_chunk_redis_hit_ratio")
     return {"redis_kv_hit_ratio": round(hit_ratio or 0.0, 4),
             "ttft_with_redis_s": round(statistics.mean(with_redis), 4),
             "ttft_without_redis_s": round(statistics.mean(without), 4),
             "ttft_saved_s": round(statistics.mean(without) - statistics.mean(with_redis), 4),
-            "kv_users_per_arm": users}
+            "kv_users_per_arm": users, "kv_first_turns": args.kv_turns,
+            "kv_prompt_tokens_mean": round(statistics.mean(prompt_tokens), 1)}
 
 
 def main(args) -> int:
@@ -151,7 +155,7 @@ def main(args) -> int:
         return 2
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     cpus = os.cpu_count() or 1
-    results: dict[str, list[dict]] = {"replicas": [], "single": []}
+    results: dict[str, list[dict]] = {"replicas": [], "alternating": [], "single": []}
     with tempfile.TemporaryDirectory(prefix="agentmem-bench-replicas-") as tmp, pg_schema(db_url) as url:
         root = Path(tmp)
         key = _tenant(url, root / "admin", "bench-replicas")
@@ -162,20 +166,25 @@ def main(args) -> int:
             for urls, name in ((many, "replicas"), (single, "single")):  # warm: embedder, engine loop
                 for u in urls:
                     measure([u], key, 1, 1, args.max_tokens, f"warm-{name}-{u[-5:]}", timeout=args.timeout)
+            arms = (("replicas", many, True), ("alternating", many, False), ("single", single, True))
             for n in levels:
-                for name, urls in (("replicas", many), ("single", single)):
-                    r = measure(urls, key, n, args.requests, args.max_tokens, name, timeout=args.timeout)
+                for name, urls, sticky in arms:
+                    r = measure(urls, key, n, args.requests, args.max_tokens, name, timeout=args.timeout,
+                                sticky=sticky)
                     results[name].append(r)
-                    print(f"  {name:<8} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
+                    print(f"  {name:<11} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
                           f"{r['errors']} errors", file=sys.stderr, flush=True)
         rows = []
-        for m, s in zip(results["replicas"], results["single"], strict=True):
-            speedup = m["throughput_req_s"] / s["throughput_req_s"] if s["throughput_req_s"] else 0.0
-            rows.append({**m, "single": s, "speedup": round(speedup, 3)})
+        for m, alt, s in zip(results["replicas"], results["alternating"], results["single"], strict=True):
+            one = s["throughput_req_s"]
+            rows.append({**m, "single": s, "alternating": alt,
+                         "speedup": round(m["throughput_req_s"] / one, 3) if one else 0.0,
+                         "alternating_speedup": round(alt["throughput_req_s"] / one, 3) if one else 0.0})
         result = {
             "bench": "serve",
             "replicas": args.replicas,
-            "workload": "chat turns with memory, each client's turns alternating over the replicas",
+            "workload": "chat turns with memory; replicas: each client on one replica (routing by user), "
+                        "alternating: turn n of client i on replica (i + n) mod N",
             "database": "postgresql",
             "pinning": f"replica i on cpu i mod {cpus}, AGENTMEM_THREADS=1; the peer: one replica on cpu 0",
             "requests_per_client": args.requests,
@@ -183,7 +192,8 @@ def main(args) -> int:
             "peer": "1 replica, same database and workload, same run",
             "levels": rows,
             "replicas_speedup": rows[-1]["speedup"],
-            "errors": sum(r["errors"] + r["single"]["errors"] for r in rows),
+            "alternating_speedup": rows[-1]["alternating_speedup"],
+            "errors": sum(r["errors"] + r["single"]["errors"] + r["alternating"]["errors"] for r in rows),
         }
         if args.redis_url:
             result |= shared_kv(root, url, args.redis_url, args)

@@ -1,0 +1,19 @@
+"""The bytes-bounded LRU the recall store keeps its per-user indexes in."""
+
+from agentmem.tiers.byte_lru import ByteLRU
+
+
+def test_evicts_least_recently_used_past_the_budget_and_remeasures():
+    evicted = []
+    lru = ByteLRU(10, size=len, on_evict=lambda k, v: evicted.append((k, v)))
+    lru.put("a", "xxxx")
+    lru.put("b", "xxxx")
+    assert lru.get("a") == "xxxx"  # a is now the most recent
+    lru.put("c", "xxxx")
+    assert evicted == [("b", "xxxx")] and list(lru) == ["a", "c"] and lru.bytes == 8
+    grown = "x" * 9
+    lru.put("a", grown)  # a grew in place: measured again, c goes
+    assert evicted[-1] == ("c", "xxxx") and list(lru) == ["a"] and lru.bytes == 9
+    lru.put("big", "y" * 50)  # one entry over the budget alone stays: it is in use
+    assert list(lru) == ["big"] and lru.evictions == 3
+    assert lru.pop("big") == "y" * 50 and lru.bytes == 0 and lru.get("big") is None and len(lru) == 0
