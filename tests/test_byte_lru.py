@@ -5,7 +5,7 @@ from agentmem.tiers.byte_lru import ByteLRU
 
 def test_evicts_least_recently_used_past_the_budget_and_remeasures():
     evicted = []
-    lru = ByteLRU(10, size=len, on_evict=lambda k, v: evicted.append((k, v)))
+    lru = ByteLRU(10, size=len, on_evict=lambda k, v: evicted.append((k, v)) is None)
     lru.put("a", "xxxx")
     lru.put("b", "xxxx")
     assert lru.get("a") == "xxxx"  # a is now the most recent
@@ -17,3 +17,12 @@ def test_evicts_least_recently_used_past_the_budget_and_remeasures():
     lru.put("big", "y" * 50)  # one entry over the budget alone stays: it is in use
     assert list(lru) == ["big"] and lru.evictions == 3
     assert lru.pop("big") == "y" * 50 and lru.bytes == 0 and lru.get("big") is None and len(lru) == 0
+
+
+def test_an_entry_in_use_is_skipped_not_evicted():
+    busy = {"a"}
+    lru = ByteLRU(8, size=len, on_evict=lambda k, v: k not in busy)
+    for k in "abc":
+        lru.put(k, "xxxx")
+    assert list(lru) == ["c", "a"] or list(lru) == ["a", "c"]  # b went; a was in use and stayed
+    assert "b" not in lru and lru.bytes == 8 and lru.evictions == 1

@@ -17,7 +17,9 @@ V = TypeVar("V")
 
 
 class ByteLRU(Generic[K, V]):
-    def __init__(self, budget: int, size: Callable[[V], int], on_evict: Callable[[K, V], None] | None = None):
+    def __init__(self, budget: int, size: Callable[[V], int], on_evict: Callable[[K, V], bool] | None = None):
+        """`on_evict(key, value)` runs as an entry leaves (to save it); returning False keeps
+        the entry (it is in use), as most recent, and eviction moves on to the next."""
         self.budget, self._size, self._on_evict = budget, size, on_evict
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self.bytes = 0
@@ -39,12 +41,15 @@ class ByteLRU(Generic[K, V]):
         n = self._size(value)
         self._items[key] = (value, n)
         self.bytes += n
-        while self.bytes > self.budget and len(self._items) > 1:
+        tries = len(self._items) - 1  # every other entry at most once: some may be in use
+        while self.bytes > self.budget and tries > 0:
+            tries -= 1
             k, (v, m) = self._items.popitem(last=False)
+            if self._on_evict is not None and not self._on_evict(k, v):
+                self._items[k] = (v, m)
+                continue
             self.bytes -= m
             self.evictions += 1
-            if self._on_evict is not None:
-                self._on_evict(k, v)
 
     def pop(self, key: K) -> V | None:
         item = self._items.pop(key, None)
