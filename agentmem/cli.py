@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "blend": ("agentmem.kvreuse.bench", "chunk-KV reuse: full vs reuse vs CacheBlend"),
     "memory": ("agentmem.bench_memory", "multi-session memory QA workload"),
     "recall": ("agentmem.recall_bench.bench", "evidence recall on generated multi-session conversations"),
+    "recall-cache": ("agentmem.tiers.soak", "resident memory over 10,000 users, recall cache bounded vs not"),
     "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
     "replies": ("agentmem.bench_replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
 }

@@ -107,6 +107,7 @@ class Config(BaseSettings):
     # --- replicas (cluster/, api/shared_rate.py, kvreuse/shared_tier.py) -------------------
     redis_url: str | None = None  # e.g. redis://host:6379/0: rate limits and a chunk-KV tier shared by replicas
     redis_kv_bytes: int = 1 << 30  # the shared chunk-KV tier's budget, across all replicas
+    recall_cache_mb: int = 256  # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py)
 
     def resolved_db_url(self) -> str:
         if self.db_url:

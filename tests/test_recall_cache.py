@@ -18,7 +18,11 @@ class HashEmbedder:
 
     dim = 384
 
+    def __init__(self):
+        self.texts = 0  # how many texts it embedded
+
     def embed(self, texts: list[str]) -> np.ndarray:
+        self.texts += len(texts)
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for i, t in enumerate(texts):
             for w in t.lower().split():
@@ -28,18 +32,22 @@ class HashEmbedder:
 
 def test_soak_over_10k_users_keeps_resident_size_flat(tmp_path):
     rss_mb()  # the probe itself works here
-    out = soak(tmp_path, 10_000, cache_mb=2, embedder=HashEmbedder(), every=2000)
+    out = soak(tmp_path, 10_000, cache_mb=2, embedder=HashEmbedder(), every=2000, search=False)
     first, last = out["samples"][0]["rss_mb"], out["samples"][-1]["rss_mb"]
     assert last - first < 25, out["samples"]  # 8,000 more users' indexes are not all in memory
     assert 0 < out["cached_indexes"] < 10_000
 
 
 def test_evicted_index_comes_back_from_disk(tmp_path):
-    store = MemoryStore(Config(data_dir=tmp_path, recall_cache_mb=0), embedder=HashEmbedder())  # keeps one index
+    emb = HashEmbedder()
+    store = MemoryStore(Config(data_dir=tmp_path, recall_cache_mb=0), embedder=emb)  # keeps one index
     for user, text in (("ann", "My locker code is 4711."), ("bob", "My bike is red.")):
         sid = store.open_session("t", user).id
         store.add_messages("t", user, sid, [{"role": "user", "content": text}])
+        assert store.search("t", user, text, k=1)[0].text == text
     assert store.recall.cached_users() == 1  # ann's index left memory when bob's came in
+    before = emb.texts
     hit = store.search("t", "ann", "locker code", k=1)[0]
     assert hit.text == "My locker code is 4711."
+    assert emb.texts - before <= 2  # the query: ann's message came back from disk, not re-embedded
     store.close()

@@ -44,6 +44,7 @@ import faiss
 import numpy as np
 
 from .archive import Archive
+from .byte_lru import ByteLRU
 from .keys import context_view
 from .query import ParsedQuery, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta
@@ -215,11 +216,15 @@ def _tied_ranks(found: list[tuple[int, float]]):
 
 
 class Recall:
-    def __init__(self, archive: Archive, embedder: Callable[[], object], directory: Path):
+    def __init__(self, archive: Archive, embedder: Callable[[], object], directory: Path,
+                 cache_bytes: int = 256 << 20):
         self.archive = archive
         self._embedder = embedder
         self.directory = Path(directory)
-        self._indexes: dict[tuple[str, str], UserIndex] = {}
+        # the users' indexes in memory, bounded by bytes (AGENTMEM_RECALL_CACHE_MB): the least
+        # recently used leave (saved first) and are loaded from disk on their next use
+        self._indexes: ByteLRU[tuple[str, str], UserIndex] = ByteLRU(cache_bytes, _index_bytes, self._evict)
+        self._cache_lock = threading.Lock()
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
 
@@ -307,7 +312,8 @@ class Recall:
     def flush(self, tenant_id: str, user_id: str) -> None:
         """Save the user's index now if it changed since it was last saved."""
         with self._lock(tenant_id, user_id):
-            ui = self._indexes.get((tenant_id, user_id))
+            with self._cache_lock:
+                ui = self._indexes.get((tenant_id, user_id))
             if ui is not None and ui.dirty:
                 self._save(tenant_id, user_id, ui)
 
@@ -325,9 +331,10 @@ class Recall:
         dropped. One indexed count query when nothing changed."""
         with self._lock(tenant_id, user_id):
             key = (tenant_id, user_id)
-            ui = self._indexes.get(key)
+            with self._cache_lock:
+                ui = self._indexes.get(key)
             if ui is None:
-                ui = self._indexes[key] = self._load(tenant_id, user_id)
+                ui = self._load(tenant_id, user_id)
             count, top = self.archive.message_stats(tenant_id, user_id)
             if top > ui.top_id:
                 for batch in self.archive.iter_messages(tenant_id, user_id, after_id=ui.top_id):
@@ -351,7 +358,27 @@ class Recall:
                 self._add_memories(ui, self.archive.memories_by_id(tenant_id, user_id, new_mems).values())
             self._maybe_ivf(ui)
             self._maybe_save(tenant_id, user_id, ui)
+            with self._cache_lock:
+                self._indexes.put(key, ui)  # measured again: it may have grown
             return ui
+
+    def _evict(self, key: tuple[str, str], ui: UserIndex) -> bool:
+        """A user's index leaves memory: saved first if it changed. An index another thread
+        is using (its lock is held) stays; the cache moves on to the next."""
+        lock = self._lock(*key)
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            if ui.dirty:
+                self._save(*key, ui)
+            return True
+        finally:
+            lock.release()
+
+    def cached_users(self) -> int:
+        """How many users' indexes are in memory now."""
+        with self._cache_lock:
+            return len(self._indexes)
 
     def _add_messages(self, tenant_id: str, user_id: str, ui: UserIndex, messages: list[Message]) -> None:
         messages = sorted(messages, key=lambda m: m.id)
@@ -393,15 +420,16 @@ class Recall:
 
     def drop(self, tenant_id: str, user_id: str) -> None:
         with self._lock(tenant_id, user_id):
-            self._indexes.pop((tenant_id, user_id), None)
+            with self._cache_lock:
+                self._indexes.pop((tenant_id, user_id))
             index_path, meta_path = self._paths(tenant_id, user_id)
             for p in (index_path, meta_path, meta_path.with_suffix(".npz")):
                 p.unlink(missing_ok=True)
 
     def drop_tenant(self, tenant_id: str) -> None:
         for key in [k for k in list(self._indexes) if k[0] == tenant_id]:
-            with self._lock(*key):
-                self._indexes.pop(key, None)
+            with self._lock(*key), self._cache_lock:
+                self._indexes.pop(key)
         shutil.rmtree(self._paths(tenant_id, "x")[0].parent, ignore_errors=True)
 
     # --- search ------------------------------------------------------------------------------
@@ -626,6 +654,13 @@ def _diverse(ranked: list, k: int, session_of: Callable) -> list:
             taken[s] = taken.get(s, 0) + 1
         out.append(item)
     return out
+
+
+def _index_bytes(ui: UserIndex) -> int:
+    """An estimate of a user's index in memory: its vectors (with FAISS's id map), and the
+    Python tables beside them, a few hundred bytes per vector and per message."""
+    n = ui.index.ntotal
+    return n * (4 * ui.index.d + 16) + 250 * (len(ui.pieces) + len(ui.memories)) + 300 * len(ui.messages) + 4096
 
 
 def _aware(t: datetime | None) -> datetime | None:

@@ -25,8 +25,9 @@ def rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def soak(data_dir: Path, users: int, cache_mb: int, embedder=None, every: int = 1000) -> dict:
-    """Serve `users` users once each; RSS sampled every `every` users."""
+def soak(data_dir: Path, users: int, cache_mb: int, embedder=None, every: int = 1000, search: bool = True) -> dict:
+    """Serve `users` users once each (a message, then a search, which indexes it; without
+    `search` only the indexing); RSS sampled every `every` users."""
     from ..config import Config
     from .store import MemoryStore
 
@@ -38,7 +39,10 @@ def soak(data_dir: Path, users: int, cache_mb: int, embedder=None, every: int = 
         user = f"user-{i}"
         sid = store.open_session("soak", user).id
         store.add_messages("soak", user, sid, [{"role": "user", "content": f"My locker code is {i * 7919 % 10007}."}])
-        store.search("soak", user, "What is my locker code?", k=1)
+        if search:
+            store.search("soak", user, "What is my locker code?", k=1)
+        else:
+            store.recall.sync("soak", user)
         if (i + 1) % every == 0:
             samples.append({"users": i + 1, "rss_mb": round(rss_mb(), 1)})
     out = {"cache_mb": cache_mb, "users": users, "seconds": round(time.perf_counter() - t0, 1),

@@ -32,7 +32,8 @@ class MemoryStore:
         self._embedder = embedder
         self._embedder_lock = threading.Lock()
         url_key = hashlib.sha256(self.archive.url.encode()).hexdigest()[:16]
-        self.recall = Recall(self.archive, self.embedder_instance, self.config.data_dir / "recall" / url_key)
+        self.recall = Recall(self.archive, self.embedder_instance, self.config.data_dir / "recall" / url_key,
+                             cache_bytes=self.config.recall_cache_mb << 20)
         self.forget_hooks: list[ForgetHook] = []
 
     def embedder_instance(self):
