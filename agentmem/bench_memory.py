@@ -59,6 +59,7 @@ REPLIES = ["{t} is a rich subject; people often find the small details the most 
            "Many people enjoy {t}; it rewards patience and a bit of curiosity.",
            "Thanks for sharing. If you want, we can look at {t} in more depth next time."]
 BASE_TIME = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+QUESTION_SEED = 1000  # replies are sampled with the model's defaults; each question has its own seed
 
 
 @dataclass
@@ -173,7 +174,8 @@ def run_memory(store, engine, config, workload: list[UserHistory], tenant_id: st
         s = AgentSession(h.user, tenant_id=tenant_id, config=config, engine=engine, store=store)
         for q in h.questions:
             t0 = time.perf_counter()
-            reply = s.chat(q.text, max_tokens=max_tokens)
+            # the default sampling, seeded per question: the same run gives the same replies
+            reply = s.chat(q.text, max_tokens=max_tokens, seed=QUESTION_SEED + len(out))
             dt = time.perf_counter() - t0
             tr = s.last_turn
             hits = s.search(q.text, k=10)

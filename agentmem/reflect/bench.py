@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..bench_memory import QUESTION_SEED
 from ..compress import BudgetPolicy, Compressor
 from .job import compress_messages, reflect
 
@@ -30,6 +31,7 @@ class Asked:
     changed: bool
     memory_tokens: int  # recalled-memory lines in the prompt (the header excluded)
     content_tokens: int  # the memory texts alone, without the date and speaker each line adds
+
 
 
 def _content(line: str) -> str:
@@ -44,7 +46,7 @@ def ask_all(store, engine, config, workload, tenant_id: str, max_tokens: int, la
     for h in workload:
         s = AgentSession(h.user, tenant_id=tenant_id, config=config, engine=engine, store=store)
         for q in h.questions:
-            reply = s.chat(q.text, max_tokens=max_tokens)
+            reply = s.chat(q.text, max_tokens=max_tokens, seed=QUESTION_SEED + len(out))
             tr = s.last_turn
             lines = {seg["ref"]: seg["text"] for seg in tr.segments}
             said = lines.get(f"message:{q.evidence_id}")
