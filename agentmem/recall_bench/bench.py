@@ -34,6 +34,10 @@ BATCH = 500
 K = 10
 
 
+def embedder_dtype(embedder) -> str:
+    return str(next(embedder.model.parameters()).dtype).removeprefix("torch.")
+
+
 def ranked_messages(hits) -> list[int]:
     """Message ids in rank order: a message hit for itself, a memory for its sources; each once."""
     out: list[int] = []
@@ -207,7 +211,7 @@ def run(args: argparse.Namespace, engine, embedder, data_dir: Path) -> dict:
                                                                      args.scale_queries)
     result |= {"seconds": time.perf_counter() - t0, "seed": args.seed, "k": K, "batch": BATCH,
                "cpu_flags": cpu_flags(), "threads": _threads(), "dtype": str(engine.dtype).removeprefix("torch."),
-               "embedder": "all-MiniLM-L6-v2 (float32)", "db": store.archive.url.split(":", 1)[0]}
+               "embedder": f"all-MiniLM-L6-v2 ({embedder_dtype(embedder)})", "db": store.archive.url.split(":", 1)[0]}
     store.close()
     return result
 
