@@ -78,7 +78,7 @@ class Config(BaseSettings):
     context_budget: int = 2048  # tokens a prompt may use; the working set is fitted to it
     reply_tokens: int = 256
     evict_trigger: float = 0.9
-    recall_k: int = 8
+    recall_k: int = 10  # hits a turn asks recall for (the prompt budget may keep fewer)
     # recalled memories use their stored compressed text only when the originals do not fit
     # the recall share of the budget; True: always (smaller prompts, less accurate on 135M)
     compress_always: bool = False
