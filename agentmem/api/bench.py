@@ -204,17 +204,9 @@ def neighbour(url: str, quiet_key: str, noisy_key: str, args) -> dict:
 
 
 @contextmanager
-def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
-    """A real `agentmem serve` process on a free loopback port; yields its URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "agentmem.cli", "serve", "--data-dir", str(data_dir), "--port", str(port),
-           "--rate-limit", "0", "--reflect-every-turns", "0", "--no-ui", "--preload", "--log-level", "warning", "--max-tokens", str(max_tokens)]
-    if serial:
-        cmd.append("--serial")
-    if dtype:
-        cmd += ["--dtype", dtype]
-    # chunk KV in the run's own directory: nothing carries over between runs or into the user's cache
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", AGENTMEM_KV_DISK_DIR=str(data_dir / "chunks"))
+def serve_process(cmd: list[str], env: dict[str, str], port: int):
+    """Run an `agentmem serve` command line, wait for its /healthz, yield its URL, stop it after
+    (its log is shown if it dies on the way up)."""
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -240,6 +232,22 @@ def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
+    """A real `agentmem serve` process on a free loopback port; yields its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "agentmem.cli", "serve", "--data-dir", str(data_dir), "--port", str(port),
+           "--rate-limit", "0", "--reflect-every-turns", "0", "--no-ui", "--preload", "--log-level", "warning", "--max-tokens", str(max_tokens)]
+    if serial:
+        cmd.append("--serial")
+    if dtype:
+        cmd += ["--dtype", dtype]
+    # chunk KV in the run's own directory: nothing carries over between runs or into the user's cache
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", AGENTMEM_KV_DISK_DIR=str(data_dir / "chunks"))
+    with serve_process(cmd, env, port) as url:
+        yield url
 
 
 def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str, dict[str, str]]:

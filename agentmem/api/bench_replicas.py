@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from .bench import QUESTIONS, measure
+from .bench import QUESTIONS, measure, serve_process
 from .local import free_port
 
 
@@ -66,31 +65,8 @@ def replica(data_dir: Path, db_url: str, cpu: int | None, max_tokens: int, dtype
     if redis_url:
         env["AGENTMEM_REDIS_URL"] = redis_url
     data_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"agentmem serve exited: {log.read().decode()[-2000:]}")
-                try:
-                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("agentmem serve did not come up in 300 s")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serve_process(cmd, env, port) as url:
+        yield url
 
 
 def _tenant(db_url: str, data_dir: Path, name: str) -> str:
