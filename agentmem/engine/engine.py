@@ -150,7 +150,40 @@ class DenseKV:
         return attn
 
 
-class Engine:
+class ChatText:
+    """The text side both engines share (the embedded `Engine` and `RemoteEngine`): the
+    model's tokenizer and chat format, which the assembly and the session call. A class using
+    it sets `tokenizer` and `chat`."""
+
+    tokenizer: object
+    chat: ChatFormat
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Seq[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def count_tokens_many(self, texts: Seq[str]) -> list[int]:
+        """Token counts of many texts in one call of the fast tokenizer (bulk imports)."""
+        if not texts:
+            return []
+        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def format_message(self, role: str, content: str) -> str:
+        return self.chat.message(role, content)
+
+    def chat_segments(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[Segment]:
+        segs = [Segment(self.format_message(m["role"], m["content"]), tier=m["role"]) for m in messages]
+        if add_generation_prompt:
+            segs.append(Segment(self.chat.generation_prefix, cacheable=False, tier="generation"))
+        return segs
+
+
+class Engine(ChatText):
     def __init__(self, model: Transformer, tokenizer, model_id: str, device: torch.device, config: Config,
                  path: Path | None = None):
         self.model = model
@@ -193,31 +226,6 @@ class Engine:
 
     def set_prefill_planner(self, planner: PrefillPlanner | None) -> None:
         self._planner = planner
-
-    # --- text ------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: Seq[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.encode(text))
-
-    def count_tokens_many(self, texts: Seq[str]) -> list[int]:
-        """Token counts of many texts in one call of the fast tokenizer (bulk imports)."""
-        if not texts:
-            return []
-        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-
-    def format_message(self, role: str, content: str) -> str:
-        return self.chat.message(role, content)
-
-    def chat_segments(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[Segment]:
-        segs = [Segment(self.format_message(m["role"], m["content"]), tier=m["role"]) for m in messages]
-        if add_generation_prompt:
-            segs.append(Segment(self.chat.generation_prefix, cacheable=False, tier="generation"))
-        return segs
 
     def tokenize_prompt(self, prompt: str | Seq[int] | Seq[Segment]) -> list[tuple[list[int], bool, Segment]]:
         if isinstance(prompt, str):

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from ..config import Config
-from .engine import Generation, GenerationStats, Segment
+from .engine import ChatText, Generation, GenerationStats, Segment
 from .errors import EmptyPrompt, EngineUnavailable, PromptTooLong
 from .sampler import SamplingParams
 from .tokenizer import ChatFormat, chat_format, load_tokenizer
@@ -49,7 +49,7 @@ class RemoteStats(GenerationStats):
     server: dict = field(default_factory=dict)
 
 
-class RemoteEngine:
+class RemoteEngine(ChatText):
     def __init__(self, url: str, tokenizer, *, model: str | None = None, api_key: str | None = None,
                  context_window: int = DEFAULT_CONTEXT, timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
                  retries: int = 3, backoff_s: float = 0.25):
@@ -93,25 +93,6 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.http.close()
-
-    # --- text ------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: Seq[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.encode(text))
-
-    def format_message(self, role: str, content: str) -> str:
-        return self.chat.message(role, content)
-
-    def chat_segments(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[Segment]:
-        segs = [Segment(self.format_message(m["role"], m["content"]), tier=m["role"]) for m in messages]
-        if add_generation_prompt:
-            segs.append(Segment(self.chat.generation_prefix, cacheable=False, tier="generation"))
-        return segs
 
     def render(self, prompt: str | Seq[Segment]) -> str:
         """The prompt text the server gets: the segments' texts in order."""
