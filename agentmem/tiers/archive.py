@@ -420,21 +420,6 @@ class Archive:
                     out[session_id] = _message(row)
         return out
 
-    def neighbours(self, tenant_id: str, user_id: str, message_id: int) -> tuple[R.Message | None, R.Message | None]:
-        """The messages just before and just after one, in its session: the turn it answers
-        and the turn that answers it."""
-        with self.tx() as s:
-            row = s.get(MessageRow, int(message_id))
-            if row is None or (row.tenant_id, row.user_id) != (tenant_id, user_id):
-                raise NotFound(f"message {message_id!r} not found")
-            scope = (MessageRow.session_id == row.session_id, MessageRow.tenant_id == tenant_id,
-                     MessageRow.user_id == user_id)
-            prev = s.scalars(select(MessageRow).where(*scope, MessageRow.id < row.id)
-                             .order_by(MessageRow.id.desc()).limit(1)).first()
-            nxt = s.scalars(select(MessageRow).where(*scope, MessageRow.id > row.id)
-                            .order_by(MessageRow.id).limit(1)).first()
-            return (_message(prev) if prev else None), (_message(nxt) if nxt else None)
-
     def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
                        exclude: Iterable[int] = (), since: datetime | None = None,
                        until: datetime | None = None, what: str = "messages") -> list[tuple[int, float]]:

@@ -110,12 +110,6 @@ def recency(when: datetime, now: datetime) -> float:
     return math.pow(0.5, age_days / HALF_LIFE_DAYS)
 
 
-def hybrid_score(similarity: float, when: datetime, importance: float, now: datetime) -> float:
-    """Similarity x recency x importance, each factor mild: similarity dominates."""
-    return (similarity * (1 - RECENCY_WEIGHT + RECENCY_WEIGHT * recency(when, now))
-            * (1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * importance))
-
-
 @dataclass
 class UserIndex:
     """One user's vectors. FAISS ids are local and sequential (row ids are up to 53 bits and
