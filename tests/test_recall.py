@@ -298,3 +298,18 @@ def test_bench_memory_questions_do_not_repeat_their_evidence():
         for said in (statement, change):
             if said is not None:
                 assert not shared_stems(said.format(v=values[0]), question), (said, question)
+
+
+def test_embedder_dtype_setting():
+    import torch
+
+    from agentmem.engine.engine import cpu_has_bf16
+    from agentmem.tiers.embed import load_embedder
+
+    def dtype(e):
+        return next(e.model.parameters()).dtype
+
+    assert dtype(load_embedder(dtype="float32")) == torch.float32
+    assert dtype(load_embedder()) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    with pytest.raises(ValueError, match="embed dtype"):
+        load_embedder(dtype="float16")
