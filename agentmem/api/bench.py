@@ -19,6 +19,7 @@ flood costs the quiet tenant.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -63,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--db-url", help="with --replicas: the PostgreSQL the replicas share (a schema of its own is used)")
     p.add_argument("--redis-url", help="with --replicas: also measure the shared chunk-KV tier in this Redis")
     p.add_argument("--kv-users", type=int, default=4, help="with --redis-url: users per arm of the KV measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --replicas: each level's arms this many times, interleaved (figures over all rounds)")
     p.add_argument("--kv-turns", type=int, default=6, help="with --redis-url: turns on the first replica per user")
     return p
 
@@ -75,23 +78,32 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def measure(url: str | list[str], key: str, clients: int, requests: int, max_tokens: int, prefix: str,
-            stateless: bool = False, timeout: float = 900.0, sticky: bool = False) -> dict:
-    """`clients` threads, each sending `requests` chat turns back to back, all starting
-    together; latency is per request, throughput over the whole level's wall time. Given
-    several URLs (replicas), turn n of client i goes to URL (i + n) mod len, or to URL i mod
-    len with `sticky` (a load balancer routing by user)."""
+            stateless: bool = False, timeout: float = 900.0, sticky: bool = False,
+            keep_latencies: bool = False) -> dict:
+    """`clients` concurrent clients, each sending `requests` chat turns back to back, all
+    starting together; latency is per request, throughput over the whole level's wall time.
+    Given several URLs (replicas), turn n of client i goes to URL (i + n) mod len, or to URL
+    i mod len with `sticky` (a load balancer routing by user). The clients are coroutines on
+    one event loop (async httpx), so the load generator itself costs little CPU: its share
+    of one core over the level is `loadgen_cpu_share`. `keep_latencies`: each request's
+    seconds under `latencies_s` too."""
+    return asyncio.run(_measure(url, key, clients, requests, max_tokens, prefix, stateless, timeout, sticky,
+                                keep_latencies))
+
+
+async def _measure(url, key, clients, requests, max_tokens, prefix, stateless, timeout, sticky,
+                   keep_latencies) -> dict:
     urls = [url] if isinstance(url, str) else list(url)
     latencies: list[float] = []
     errors: list[str] = []
-    tokens = [0]
-    lock = threading.Lock()
-    start = threading.Barrier(clients + 1)
+    tokens = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with AsyncExitStack() as stack:
+        cs = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=u, headers={"Authorization": f"Bearer {key}"}, timeout=timeout, limits=limits)) for u in urls]
 
-    def client(i: int) -> None:
-        with ExitStack() as stack:
-            cs = [stack.enter_context(httpx.Client(base_url=u, headers={"Authorization": f"Bearer {key}"},
-                                                   timeout=timeout)) for u in urls]
-            start.wait()
+        async def client(i: int) -> None:
+            nonlocal tokens
             for n in range(requests):
                 c = cs[(i if sticky else i + n) % len(cs)]
                 body = {"model": "agentmem", "max_tokens": max_tokens,
@@ -100,32 +112,29 @@ def measure(url: str | list[str], key: str, clients: int, requests: int, max_tok
                     body["user"] = f"{prefix}-{clients}-{i}"
                 t = time.perf_counter()
                 try:
-                    r = c.post("/v1/chat/completions", json=body)
+                    r = await c.post("/v1/chat/completions", json=body)
                     ok = r.status_code == 200
                     detail = "" if ok else f"{r.status_code} {r.text[:200]}"
                 except httpx.HTTPError as exc:
                     ok, detail = False, repr(exc)
                 took = time.perf_counter() - t
-                with lock:
-                    if ok:
-                        latencies.append(took)
-                        tokens[0] += r.json()["usage"]["completion_tokens"]
-                    else:
-                        errors.append(detail)
+                if ok:
+                    latencies.append(took)
+                    tokens += r.json()["usage"]["completion_tokens"]
+                else:
+                    errors.append(detail)
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     lat = sorted(latencies)
-    return {"clients": clients, "requests": len(lat) + len(errors), "errors": len(errors),
-            "throughput_req_s": round(len(lat) / wall, 4), "p50_s": round(percentile(lat, 0.5), 4),
-            "p99_s": round(percentile(lat, 0.99), 4), "tokens_s": round(tokens[0] / wall, 2),
-            "wall_s": round(wall, 3), "error_samples": errors[:3]}
+    out = {"clients": clients, "requests": len(lat) + len(errors), "errors": len(errors),
+           "throughput_req_s": round(len(lat) / wall, 4), "p50_s": round(percentile(lat, 0.5), 4),
+           "p99_s": round(percentile(lat, 0.99), 4), "tokens_s": round(tokens / wall, 2),
+           "wall_s": round(wall, 3), "loadgen_cpu_share": round(cpu / wall, 4), "error_samples": errors[:3]}
+    if keep_latencies:
+        out["latencies_s"] = lat
+    return out
 
 
 def _ttft(c: httpx.Client, body: dict) -> float:
@@ -204,11 +213,13 @@ def neighbour(url: str, quiet_key: str, noisy_key: str, args) -> dict:
 
 
 @contextmanager
-def serve_process(cmd: list[str], env: dict[str, str], port: int):
+def serve_process(cmd: list[str], env: dict[str, str], port: int, procs: list | None = None):
     """Run an `agentmem serve` command line, wait for its /healthz, yield its URL, stop it after
-    (its log is shown if it dies on the way up)."""
+    (its log is shown if it dies on the way up). `procs`: the Popen is appended to it."""
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if procs is not None:
+            procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 300

@@ -22,11 +22,12 @@ import tempfile
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from .bench import QUESTIONS, measure, serve_process
+from .bench import QUESTIONS, measure, percentile, serve_process
 from .local import free_port
 
 
@@ -47,10 +48,17 @@ def pg_schema(url: str):
         admin.dispose()
 
 
+@dataclass
+class Replica:
+    url: str
+    pid: int
+
+
 @contextmanager
 def replica(data_dir: Path, db_url: str, cpu: int | None, max_tokens: int, dtype: str | None,
             redis_url: str | None = None):
-    """One `agentmem serve` process on `db_url` with its own data directory, pinned to `cpu`."""
+    """One `agentmem serve` process on `db_url` with its own data directory, pinned to `cpu`
+    (taskset; torch on one thread); yields a `Replica`."""
     port = free_port()
     cmd = [sys.executable, "-m", "agentmem.cli", "serve", "--data-dir", str(data_dir), "--db-url", db_url,
            "--port", str(port), "--rate-limit", "0", "--reflect-every-turns", "0", "--no-ui", "--preload",
@@ -60,13 +68,93 @@ def replica(data_dir: Path, db_url: str, cpu: int | None, max_tokens: int, dtype
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu)] + cmd
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", AGENTMEM_THREADS="1",
-               AGENTMEM_KV_DISK_DIR=str(data_dir / "chunks"))
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", AGENTMEM_KV_DISK_DIR=str(data_dir / "chunks"))
     env.pop("AGENTMEM_REDIS_URL", None)
     if redis_url:
         env["AGENTMEM_REDIS_URL"] = redis_url
     data_dir.mkdir(parents=True, exist_ok=True)
-    with serve_process(cmd, env, port) as url:
-        yield url
+    procs: list = []
+    with serve_process(cmd, env, port, procs) as url:
+        yield Replica(url, procs[0].pid)
+
+
+# --- where the CPU went (Linux /proc) ---------------------------------------------------------
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def postgres_seconds() -> float:
+    """CPU seconds of every PostgreSQL process on this machine (others' included)."""
+    total = 0.0
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "comm").read_text().strip() in ("postgres", "postmaster"):
+                    total += cpu_seconds(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return total
+
+
+def machine_seconds() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of the whole machine since boot, from /proc/stat."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = v[3] + v[4]
+    return (sum(v[:8]) - idle - v[7]) / TICK, v[7] / TICK
+
+
+def allowed_cpus(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def run_arm(reps: list[Replica], key: str, clients: int, args, prefix: str, sticky: bool) -> dict:
+    """One measured level on `reps`, with where the CPU went meanwhile: each replica's share of
+    a core, PostgreSQL's (all of it on the machine), the load generator's, and the rest of the
+    machine's (other users of these cores: it competes with the replicas)."""
+    rep0, pg0, (busy0, steal0) = [cpu_seconds(r.pid) for r in reps], postgres_seconds(), machine_seconds()
+    r = measure([x.url for x in reps], key, clients, args.requests, args.max_tokens, prefix, timeout=args.timeout,
+                sticky=sticky, keep_latencies=True)
+    rep = [cpu_seconds(x.pid) - a for x, a in zip(reps, rep0, strict=True)]
+    busy, steal = machine_seconds()
+    wall, ok = r["wall_s"], r["requests"] - r["errors"]
+    pg = postgres_seconds() - pg0
+    r |= {"replica_cpu_share": [round(x / wall, 3) for x in rep], "postgres_cpu_share": round(pg / wall, 3),
+          "machine_busy_cores": round((busy - busy0) / wall, 3), "stolen_cores": round((steal - steal0) / wall, 3),
+          "other_cores": round((busy - busy0 - sum(rep) - pg) / wall - r["loadgen_cpu_share"], 3),
+          "replica_cpu_s_per_request": round(sum(rep) / ok, 4) if ok else None}
+    return r
+
+
+def merge(rounds: list[dict]) -> dict:
+    """One level's rounds as one: throughput over their summed wall time, percentiles over all
+    requests, CPU shares weighted by wall time."""
+    wall = sum(r["wall_s"] for r in rounds)
+    lat = sorted(x for r in rounds for x in r.pop("latencies_s"))
+    ok = sum(r["requests"] - r["errors"] for r in rounds)
+
+    def share(k: str) -> float:
+        return round(sum(r[k] * r["wall_s"] for r in rounds) / wall, 3)
+
+    return {"clients": rounds[0]["clients"], "requests": sum(r["requests"] for r in rounds),
+            "errors": sum(r["errors"] for r in rounds), "rounds": len(rounds),
+            "throughput_req_s": round(ok / wall, 4), "p50_s": round(percentile(lat, 0.5), 4),
+            "p99_s": round(percentile(lat, 0.99), 4),
+            "tokens_s": round(sum(r["tokens_s"] * r["wall_s"] for r in rounds) / wall, 2), "wall_s": round(wall, 3),
+            "replica_cpu_share": [round(sum(r["replica_cpu_share"][i] * r["wall_s"] for r in rounds) / wall, 3)
+                                  for i in range(len(rounds[0]["replica_cpu_share"]))],
+            **{k: share(k) for k in ("loadgen_cpu_share", "postgres_cpu_share", "machine_busy_cores",
+                                     "stolen_cores", "other_cores")},
+            "replica_cpu_s_per_request": round(sum(r["replica_cpu_s_per_request"] * (r["requests"] - r["errors"])
+                                                   for r in rounds) / ok, 4) if ok else None,
+            "error_samples": [e for r in rounds for e in r["error_samples"]][:3]}
 
 
 def _tenant(db_url: str, data_dir: Path, name: str) -> str:
@@ -100,9 +188,9 @@ def shared_kv(root: Path, db_url: str, redis_url: str, args) -> dict:
     key = _tenant(db_url, root / "admin-kv", "bench-kv")
     users = max(1, args.kv_users)
     with ExitStack() as stack:
-        a = stack.enter_context(replica(root / "kv-a", db_url, None, args.max_tokens, args.dtype, redis_url))
-        b = stack.enter_context(replica(root / "kv-b", db_url, None, args.max_tokens, args.dtype, redis_url))
-        c = stack.enter_context(replica(root / "kv-c", db_url, None, args.max_tokens, args.dtype))
+        a, b, c = (stack.enter_context(replica(root / f"kv-{name}", db_url, None, args.max_tokens, args.dtype, redis))
+                   for name, redis in (("a", redis_url), ("b", redis_url), ("c", None)))
+        a, b, c = a.url, b.url, c.url
         # users in pairs with the same questions: one of each pair goes on to B, the other to C
         for i in range(2 * users):
             for n in range(args.kv_turns):
@@ -131,7 +219,9 @@ def main(args) -> int:
         return 2
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     cpus = os.cpu_count() or 1
-    results: dict[str, list[dict]] = {"replicas": [], "alternating": [], "single": []}
+    arms = ("single", "replicas", "alternating")
+    results: dict[str, list[dict]] = {name: [] for name in arms}
+    load = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="agentmem-bench-replicas-") as tmp, pg_schema(db_url) as url:
         root = Path(tmp)
         key = _tenant(url, root / "admin", "bench-replicas")
@@ -139,36 +229,55 @@ def main(args) -> int:
             many = [stack.enter_context(replica(root / f"r{i}", url, i % cpus, args.max_tokens, args.dtype))
                     for i in range(args.replicas)]
             single = [stack.enter_context(replica(root / "single", url, 0, args.max_tokens, args.dtype))]
-            for urls, name in ((many, "replicas"), (single, "single")):  # warm: embedder, engine loop
-                for u in urls:
-                    measure([u], key, 1, 1, args.max_tokens, f"warm-{name}-{u[-5:]}", timeout=args.timeout)
-            arms = (("replicas", many, True), ("alternating", many, False), ("single", single, True))
+            pinned = {"replicas": [allowed_cpus(r.pid) for r in many], "single": allowed_cpus(single[0].pid)}
+            for name, reps in (("replicas", many), ("single", single)):  # warm: embedder, engine loop
+                for r in reps:
+                    measure([r.url], key, 1, 1, args.max_tokens, f"warm-{name}-{r.pid}", timeout=args.timeout)
+            setup = {"single": (single, True), "replicas": (many, True), "alternating": (many, False)}
             for n in levels:
-                for name, urls, sticky in arms:
-                    r = measure(urls, key, n, args.requests, args.max_tokens, name, timeout=args.timeout,
-                                sticky=sticky)
+                rounds: dict[str, list[dict]] = {name: [] for name in arms}
+                for k in range(args.rounds):  # arms interleaved, order reversed each round: load drift hits all
+                    for name in arms if k % 2 == 0 else arms[::-1]:
+                        reps, sticky = setup[name]
+                        rounds[name].append(run_arm(reps, key, n, args, f"{name}-r{k}", sticky))
+                for name in arms:
+                    r = merge(rounds[name])
                     results[name].append(r)
                     print(f"  {name:<11} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
-                          f"{r['errors']} errors", file=sys.stderr, flush=True)
+                          f"cpu {r['replica_cpu_share']}, {r['replica_cpu_s_per_request']} cpu-s/req, other "
+                          f"{r['other_cores']} cores, {r['errors']} errors", file=sys.stderr, flush=True)
         rows = []
         for m, alt, s in zip(results["replicas"], results["alternating"], results["single"], strict=True):
             one = s["throughput_req_s"]
             rows.append({**m, "single": s, "alternating": alt,
                          "speedup": round(m["throughput_req_s"] / one, 3) if one else 0.0,
                          "alternating_speedup": round(alt["throughput_req_s"] / one, 3) if one else 0.0})
+        top = rows[-1]
+        top_arms = (top, top["single"], top["alternating"])
         result = {
             "bench": "serve",
             "replicas": args.replicas,
-            "workload": "chat turns with memory; replicas: each client on one replica (routing by user), "
-                        "alternating: turn n of client i on replica (i + n) mod N",
+            "workload": "chat turns with memory, every client its own user; replicas: each client on one replica "
+                        "(routing by user), alternating: turn n of client i on replica (i + n) mod N; single: "
+                        "all clients on the one replica",
             "database": "postgresql",
-            "pinning": f"replica i on cpu i mod {cpus}, AGENTMEM_THREADS=1; the peer: one replica on cpu 0",
+            "pinning": f"replica i on cpu i mod {cpus} (taskset), AGENTMEM_THREADS=1 and OMP_NUM_THREADS=1; "
+                       "the peer: one replica on cpu 0",
+            "pinned_cpus": pinned,
             "requests_per_client": args.requests,
+            "rounds": args.rounds,
             "max_tokens": args.max_tokens,
-            "peer": "1 replica, same database and workload, same run",
+            "peer": "1 replica, same database and workload, same run, arms interleaved",
             "levels": rows,
-            "replicas_speedup": rows[-1]["speedup"],
-            "alternating_speedup": rows[-1]["alternating_speedup"],
+            "replicas_speedup": top["speedup"],
+            "alternating_speedup": top["alternating_speedup"],
+            # where the 2 cores went at the top level (cores, i.e. CPU seconds per second)
+            "loadgen_cpu_share": max(r["loadgen_cpu_share"] for r in top_arms),
+            "replica_cpu_share": {"replicas": top["replica_cpu_share"], "single": top["single"]["replica_cpu_share"]},
+            "replica_cpu_s_per_request": {"replicas": top["replica_cpu_s_per_request"],
+                                          "single": top["single"]["replica_cpu_s_per_request"]},
+            "other_cores": {"replicas": top["other_cores"], "single": top["single"]["other_cores"]},
+            "load_average": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]},
             "errors": sum(r["errors"] + r["single"]["errors"] + r["alternating"]["errors"] for r in rows),
         }
         if args.redis_url:
