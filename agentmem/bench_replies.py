@@ -144,10 +144,10 @@ def structured_figures(engine, max_tokens: int) -> dict[bool, dict]:
             tokens[grammar] += g.stats.completion_tokens
             seconds[grammar] += g.stats.total_s - g.stats.ttft_s
             if schema is None:
-                calls = parse_calls(g.text, fmt) or []
-                ok[grammar]["tool"].append(
-                    len(calls) == 1 and calls[0]["function"]["name"] in tools
-                    and _valid(json.loads(calls[0]["function"]["arguments"]), tools[calls[0]["function"]["name"]]))
+                calls, cut = parse_calls(g.text, fmt)
+                ok[grammar]["tool"].append(bool(calls) and not cut and all(
+                    c["function"]["name"] in tools
+                    and _valid(json.loads(c["function"]["arguments"]), tools[c["function"]["name"]]) for c in calls))
             else:
                 try:
                     ok[grammar]["json"].append(_valid(json.loads(g.text), schema))

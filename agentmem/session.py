@@ -137,7 +137,7 @@ class AgentSession:
             return pieces
         for _ in pieces:
             pass
-        return gen.result.text  # not the pieces: a looping reply streamed cycles it then cut
+        return gen.result.text
 
     def _finish(self, gen, ctx: Context, user_msg: Message, evicted: list[int]) -> Iterator[str]:
         yield from gen

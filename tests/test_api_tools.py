@@ -51,9 +51,9 @@ def test_required_tool_call_has_openais_shape_and_valid_arguments(oa):
                                    max_tokens=64, temperature=0)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    tool = WEATHER if call.function.name == "get_weather" else TIME
-    _args_valid(call, tool)
+    assert choice.message.tool_calls  # parallel_tool_calls is on by default: one or more
+    for call in choice.message.tool_calls:
+        _args_valid(call, WEATHER if call.function.name == "get_weather" else TIME)
 
 
 def test_named_tool_choice_streamed_and_a_tool_reply_sent_back(oa):
@@ -89,6 +89,70 @@ def test_auto_tool_choice_gives_a_call_or_prose_never_a_broken_call(oa):
         for c in calls:
             _args_valid(c, WEATHER)
         assert "<tool_call>" not in text
+
+
+def _stream_calls(oa, **kw) -> tuple[list, str | None]:
+    """The calls of a streamed reply, joined by index as the openai client's users join
+    them, and the finish reason."""
+    chunks = [c for c in oa.chat.completions.create(stream=True, **kw) if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == list(range(len(deltas)))  # each call whole, in order
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    return deltas, chunks[-1].choices[0].finish_reason
+
+
+def test_parallel_tool_calls_each_parsed_and_valid_streamed_and_not(oa, engine):
+    # end-of-reply pushed down, so the model goes on to further calls until max_tokens
+    more = {str(t): -100 for t in engine.eos_ids}
+    ask = [{"role": "user", "content": "What is the weather in Paris, in Rome and in Oslo?"}]
+    kw = dict(model="agentmem", messages=ask, tools=[WEATHER, TIME], tool_choice="required", max_tokens=96, temperature=0,
+              logit_bias=more)
+    r = oa.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) >= 2 and r.choices[0].finish_reason in ("tool_calls", "length")
+    assert len({c.id for c in calls}) == len(calls)
+    for c in calls:
+        _args_valid(c, WEATHER if c.function.name == "get_weather" else TIME)
+    streamed, finish = _stream_calls(oa, **kw)
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+        [(c.function.name, c.function.arguments) for c in calls] and finish == r.choices[0].finish_reason
+    # parallel_tool_calls=false: the grammar ends the reply after one call, whatever the bias
+    one = oa.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert len(one.message.tool_calls) == 1 and one.finish_reason == "tool_calls"
+    streamed, finish = _stream_calls(oa, **kw, parallel_tool_calls=False)
+    assert len(streamed) == 1 and finish == "tool_calls"
+    # the calls sent back with their results, as an agent loop does
+    back = ask + [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                    "arguments": c.function.arguments}}
+                      for c in calls]}]
+    back += [{"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in calls]
+    r = oa.chat.completions.create(model="agentmem", messages=back, tools=[WEATHER, TIME], tool_choice="none",
+                                   max_tokens=24, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_call_reader_reads_calls_as_they_close():
+    from agentmem.api.reply_format import CallReader, ReplyFormat, parse_calls
+
+    fmt = ReplyFormat(tools={"f": {"type": "object"}}, calls="auto")
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    reader, seen = CallReader(fmt), []
+    for i in range(0, len(text), 7):
+        seen.append(len(reader.feed(text[i:i + 7])))
+        assert not reader.prose
+    assert sum(seen) == 2 and seen.index(1) < len(seen) - 1  # the first is out before the second ends
+    assert [json.loads(c["function"]["arguments"]) for c in reader.calls] == [{"a": 1}, {}]
+    assert reader.finish() == ([], False)
+    calls, cut = parse_calls(text[:-20], fmt)  # cut short inside the second call
+    assert len(calls) == 1 and cut
+    assert parse_calls("<tool", fmt) == (None, False) and parse_calls("Hello <tool_call>", fmt) == (None, False)
+    prose = CallReader(fmt)
+    assert prose.feed(" <to") == [] and not prose.prose
+    assert prose.feed("p>") == [] and prose.prose and prose.rest == " <top>"
+    assert parse_calls('<tool_call>{"name": "g", "arguments": {}}</tool_call>', fmt) == (None, False)
+    twice = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert len(parse_calls(twice, fmt)[0]) == 1  # the same call twice is one call
 
 
 def test_response_format_json_schema_matches(oa):

@@ -14,7 +14,7 @@ from agentmem.config import Config
 from agentmem.engine import InvalidSampling, SamplingParams
 from agentmem.engine.defaults import sampling_defaults
 from agentmem.engine.grammar import Grammar, InvalidGrammar
-from agentmem.engine.repetition import find_loop
+from agentmem.engine.repetition import LoopDetector, find_loop
 from agentmem.engine.sampler import penalize, top_logprobs, truncate
 
 
@@ -81,6 +81,31 @@ def test_loop_detector_cuts_a_cycle_to_one_round_and_leaves_lists_alone():
     items = [[100 + i, 1, 2, 200 + i, 300 + i, 3] for i in range(12)]
     assert find_loop([t for it in items for t in it]) is None
     assert find_loop(cycle * 2) is None  # two rounds are not yet a loop
+
+
+def test_loop_detector_settles_only_what_no_later_cut_removes():
+    intro, cycle = [7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    toks = intro + cycle * 5
+    cut = find_loop(toks)
+    d, settled = LoopDetector(), []
+    for t in toks:
+        if d.push(t) is not None:
+            break
+        settled.append(d.settled())
+    assert all(s <= cut for s in settled) and settled == sorted(settled) and len(settled) < len(toks)
+    assert settled[len(intro) + len(cycle) - 1] == len(intro) + len(cycle)  # nothing repeats yet: all settled
+    d = LoopDetector()
+    for i in range(200):  # prose that never repeats settles as it comes
+        d.push(1000 + i)
+        assert d.settled() == i + 1
+
+
+def test_a_streamed_looping_reply_sends_what_is_stored(engine):
+    segs = engine.chat_segments([{"role": "user", "content": "I moved to Lisbon last month and I work as a pharmacist."}])
+    s = engine.stream(segs, max_tokens=96, temperature=0.0)
+    pieces = list(s)
+    assert s.result.stats.finish_reason == "repetition"
+    assert "".join(pieces) == s.result.text and len(pieces) > 1
 
 
 def test_loop_detector_on_real_text(engine):

@@ -228,8 +228,7 @@ class ChatService:
                     yield piece
                 turn = session.last_turn
                 mems = [m["ref"] if isinstance(m, dict) else str(m) for m in turn.memories_used]
-                text_out = "".join(parts) if turn.stats.finish_reason != "repetition" else turn.reply
-                done["r"] = _from_stats(turn.stats, text_out, key_sid, mems, turn.logprobs)
+                done["r"] = _from_stats(turn.stats, "".join(parts), key_sid, mems, turn.logprobs)
 
         return pieces(), lambda: done["r"]
 

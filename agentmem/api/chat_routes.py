@@ -19,7 +19,7 @@ from ..engine.weights import DEFAULT_MODEL_ID
 from .chat import TurnResult, now
 from .deps import Caller, caller, services
 from .disconnect import until_disconnected
-from .reply_format import CALL_OPEN, ReplyFormat, parse_calls
+from .reply_format import CallReader, ReplyFormat, parse_calls
 from .schemas import (
     AssistantMessage,
     CacheStats,
@@ -69,9 +69,9 @@ def _logprobs(r: TurnResult, svc) -> dict | None:
 
 
 def _message(text: str, r: TurnResult, fmt: ReplyFormat) -> tuple[AssistantMessage, str]:
-    calls = parse_calls(text, fmt)
+    calls, cut = parse_calls(text, fmt)
     if calls:
-        return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+        return AssistantMessage(content=None, tool_calls=calls), "length" if cut else "tool_calls"
     return AssistantMessage(content=text), r.finish_reason
 
 
@@ -125,36 +125,35 @@ def _chunk(cid: str, model: str, delta: dict, finish: str | None = None, logprob
 
 def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first: str | None,
          pieces: Iterator[str], result, svc, fmt: ReplyFormat) -> Iterator[str]:
-    """Text streams as it comes. A reply that may be a tool call is held until its first
-    characters tell (under the grammar a call starts with the call tag, prose cannot), and
-    a call is sent whole in one tool_calls delta once it has closed."""
+    """Text streams as it comes. A reply that may be tool calls is read until its first
+    characters tell (under the grammar a call starts with the call tag, prose cannot); each
+    call is then sent whole, in its own tool_calls delta, as soon as it has closed."""
     m = svc.metrics
     try:
         yield _chunk(cid, model, {"role": "assistant", "content": ""})
-        held, calling = "", None
+        reader = CallReader(fmt)
         for piece in _chain(first, pieces):
             if not piece:
                 continue
-            if fmt.may_call and calling is None:
-                held += piece
-                if len(held.lstrip()) < len(CALL_OPEN) and CALL_OPEN.startswith(held.lstrip()):
-                    continue
-                calling, piece, held = held.lstrip().startswith(CALL_OPEN), held, ""
-            if calling:
-                held += piece
-            else:
+            if reader.prose:
                 yield _chunk(cid, model, {"content": piece})
+                continue
+            done = len(reader.calls)
+            for i, call in enumerate(reader.feed(piece), done):
+                yield _chunk(cid, model, {"tool_calls": [{"index": i, **call}]})
+            if reader.prose:  # prose after all: what was held back, then the rest as it comes
+                yield _chunk(cid, model, {"content": reader.rest})
+                reader.rest = ""
         r = result()
         m.observe_generation(tenant_id, r.prompt_tokens, r.completion_tokens, r.reused_tokens, r.ttft_s)
         finish = r.finish_reason
-        if held:
-            calls = parse_calls(held, fmt)
-            if calls:
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-                finish = "tool_calls"
-            else:
-                delta = {"content": held}
-            yield _chunk(cid, model, delta)
+        last, cut = reader.finish()
+        for call in last:
+            yield _chunk(cid, model, {"tool_calls": [{"index": len(reader.calls) - 1, **call}]})
+        if reader.calls:
+            finish = "length" if cut else "tool_calls"
+        elif reader.rest:
+            yield _chunk(cid, model, {"content": reader.rest})
         lp = _logprobs(r, svc)
         yield _chunk(cid, model, {}, finish, lp, session_id=r.session_id, agentmem=_extras(r).model_dump())
         if req.stream_options and req.stream_options.include_usage:

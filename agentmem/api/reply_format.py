@@ -19,6 +19,7 @@ from .errors import ApiError
 from .roles import prompt_role
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_PARALLEL_CALLS = 8  # calls in one reply: a 135M model allowed any number may not stop
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -28,6 +29,7 @@ class ReplyFormat:
     system: str | None = None  # added to the system message for this turn
     tools: dict[str, dict] = field(default_factory=dict)  # name -> parameters schema
     calls: str = "none"  # none | auto | required: whether the reply may / must be a tool call
+    parallel: bool = True  # several calls in one reply (OpenAI's parallel_tool_calls)
 
     @property
     def may_call(self) -> bool:
@@ -91,7 +93,8 @@ def plan(req, compiler) -> ReplyFormat:
     else:
         calls, only = ("auto" if tools else "none"), None
 
-    fmt = ReplyFormat(tools=tools, calls=calls)
+    # a named tool_choice asks for that one call
+    fmt = ReplyFormat(tools=tools, calls=calls, parallel=req.parallel_tool_calls is not False and only is None)
     rf = req.response_format
     if rf is not None and rf.type != "text":
         if fmt.may_call:
@@ -112,8 +115,8 @@ def plan(req, compiler) -> ReplyFormat:
     if fmt.may_call:
         names = [only] if only else list(tools)
         fmt.grammar = Grammar.choice([_call_schema(n, tools[n]) for n in names], CALL_OPEN, CALL_CLOSE,
-                                     or_text=calls == "auto")
-        fmt.system = _tool_prompt(req.tools, only)
+                                     or_text=calls == "auto", most=MAX_PARALLEL_CALLS if fmt.parallel else 1)
+        fmt.system = _tool_prompt(req.tools, only, fmt.parallel)
     return fmt
 
 
@@ -141,30 +144,91 @@ def tighten(schema, max_string: int = 160):
     return out
 
 
-def _tool_prompt(tools, only: str | None) -> str:
+def _tool_prompt(tools, only: str | None, parallel: bool) -> str:
     sigs = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
     ask = (f"Call the function {only} now." if only
            else "If a function helps, call it; otherwise answer normally.")
+    several = " To make several calls at once, write one such line per call." if parallel else ""
     return ("You can call functions. Their signatures:\n<tools>\n" + sigs + "\n</tools>\n"
-            f'To call one, reply with {CALL_OPEN}{{"name": NAME, "arguments": {{...}}}}{CALL_CLOSE}. ' + ask)
+            f'To call one, reply with {CALL_OPEN}{{"name": NAME, "arguments": {{...}}}}{CALL_CLOSE}.{several} ' + ask)
 
 
-def parse_calls(text: str, fmt: ReplyFormat) -> list[dict] | None:
-    """The tool calls in a reply, in OpenAI's shape (arguments as a JSON string), or None
-    when the reply is prose."""
-    body = text.strip()
-    if not fmt.may_call or not body.startswith(CALL_OPEN):
-        return None
-    body = body[len(CALL_OPEN):]
-    body = body[: body.rfind(CALL_CLOSE)] if CALL_CLOSE in body else body
+class CallReader:
+    """Tool calls read from a reply as it arrives, each in OpenAI's shape once its closing
+    tag is in, so a stream sends every call as soon as it is complete. A reply that does not
+    open with the call tag is prose (`prose` turns true as soon as that is clear)."""
+
+    def __init__(self, fmt: ReplyFormat):
+        self.fmt = fmt
+        self.calls: list[dict] = []
+        self.rest = ""  # what is not (yet) a complete call: all of it, once the reply is prose
+        self.prose = not fmt.may_call
+        self._stuck = False  # a closed call that is none (no grammar: a remote engine)
+
+    def feed(self, text: str) -> list[dict]:
+        """Read `text`; the calls it completed."""
+        self.rest += text
+        new: list[dict] = []
+        while not self.prose and not self._stuck:
+            head = self.rest.lstrip()
+            if not self.calls and not new and not head.startswith(CALL_OPEN):
+                self.prose = not CALL_OPEN.startswith(head)  # else too early to tell
+                break
+            if not head.startswith(CALL_OPEN) or CALL_CLOSE not in head:
+                break
+            end = head.index(CALL_CLOSE)
+            call = _call(head[len(CALL_OPEN):end], self.fmt)
+            if call is None:
+                self.prose, self._stuck = not (self.calls or new), True
+                break
+            if not _repeats(call, self.calls + new):
+                new.append(call)
+            self.rest = head[end + len(CALL_CLOSE):]
+        self.calls += new
+        return new
+
+    def finish(self) -> tuple[list[dict], bool]:
+        """At the reply's end: a last call left unclosed (the model ended it without the tag),
+        and whether text that is no call is left after the calls (cut short by max_tokens)."""
+        head = self.rest.strip()
+        if self.prose or not head:
+            return [], False
+        call = None if self._stuck or not head.startswith(CALL_OPEN) else _call(head[len(CALL_OPEN):], self.fmt)
+        if call is None:
+            if not self.calls:  # never a call after all
+                self.prose = True
+            return [], bool(self.calls)
+        self.rest = ""
+        if _repeats(call, self.calls):
+            return [], False
+        self.calls.append(call)
+        return [call], False
+
+
+def _repeats(call: dict, calls: list[dict]) -> bool:
+    """The same function with the same arguments again: one call (the small model, free to
+    add calls, sometimes writes one twice; an agent would run it twice)."""
+    return any(c["function"] == call["function"] for c in calls)
+
+
+def _call(body: str, fmt: ReplyFormat) -> dict | None:
     try:
         doc = json.loads(body)
     except json.JSONDecodeError:
-        return None  # cut short (max_tokens): left as text, finish_reason says "length"
+        return None
     if not isinstance(doc, dict) or doc.get("name") not in fmt.tools or not isinstance(doc.get("arguments"), dict):
-        return None  # only without a grammar (a remote engine): not a call of a known tool
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": doc["name"], "arguments": json.dumps(doc["arguments"])}}]
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": doc["name"], "arguments": json.dumps(doc["arguments"])}}
+
+
+def parse_calls(text: str, fmt: ReplyFormat) -> tuple[list[dict] | None, bool]:
+    """The tool calls in a whole reply, in OpenAI's shape (arguments as a JSON string), or
+    None when the reply is prose; and whether a call was cut short after them."""
+    reader = CallReader(fmt)
+    reader.feed(text)
+    cut = reader.finish()[1]
+    return (reader.calls or None), cut
 
 
 def render_message(m) -> tuple[str, str]:
@@ -172,8 +236,8 @@ def render_message(m) -> tuple[str, str]:
     same tags the model is asked to write, a tool's result wrapped as Hermes does."""
     text = m.text()
     if m.role == "assistant" and m.tool_calls:
-        calls = "".join(f'{CALL_OPEN}{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
-                        f"{CALL_CLOSE}" for c in m.tool_calls)
+        calls = "\n".join(f'{CALL_OPEN}{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
+                         f"{CALL_CLOSE}" for c in m.tool_calls)
         return "assistant", (text + "\n" if text else "") + calls
     if prompt_role(m.role) == "tool":
         return "tool", f"<tool_response>\n{text}\n</tool_response>"

@@ -43,13 +43,17 @@ class Grammar:
         return cls.json_schema({"type": "object"})
 
     @classmethod
-    def choice(cls, schemas: list[dict], prefix: str = "", suffix: str = "", or_text: bool = False) -> Grammar:
-        """One JSON value matching any of `schemas`, between literal `prefix` and `suffix`;
-        `or_text`: or else free text that does not start with the prefix's first character
-        (a tool call or an ordinary answer, the model decides)."""
+    def choice(cls, schemas: list[dict], prefix: str = "", suffix: str = "", or_text: bool = False,
+               most: int = 1) -> Grammar:
+        """One JSON value matching any of `schemas`, between literal `prefix` and `suffix`,
+        or up to `most` of them one per line (parallel tool calls); `or_text`: or else free
+        text that does not start with the prefix's first character (a tool call or an
+        ordinary answer, the model decides)."""
         body = json.dumps(_compact({"anyOf": schemas} if len(schemas) > 1 else schemas[0]))
         call = " ".join(x for x in (json.dumps(prefix) if prefix else "", "value", json.dumps(suffix) if suffix else "") if x)
-        lines = [f"start: {'call | TEXT' if or_text else 'call'}", f"call: {call}", f"value: %json {body}"]
+        calls = "call" if most == 1 else f'call ("\\n" call){{0,{most - 1}}}'
+        lines = [f"start: {'calls | TEXT' if or_text else 'calls'}", f"calls: {calls}", f"call: {call}",
+                 f"value: %json {body}"]
         if or_text:
             first = prefix[:1] or "{"
             lines.append(f"TEXT: /[^{_regex_char(first)}](.|\\n)*/")

@@ -182,8 +182,13 @@ class EngineLoop:
             seq.text = text[:cut]
             return self._finish(seq, "stop")
         seq.text = text
-        # hold back what could be the start of a stop string or a partial UTF-8 character
+        # hold back what could be the start of a stop string or a partial UTF-8 character,
+        # and what the loop detector may still cut: what is streamed is what is stored
         safe = len(text) - _holdback(text, p.stop)
+        settled = seq.loops.settled() if p.stop_loops and seq.matcher is None else len(seq.generated)
+        if settled < len(seq.generated):
+            head = e.decode(seq.generated[:settled])
+            safe = min(safe, len(head) - _holdback(head, []))
         if safe > seq.emitted:
             seq.out.put(text[seq.emitted : safe])
             seq.emitted = safe

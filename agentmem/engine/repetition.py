@@ -38,6 +38,14 @@ class LoopDetector:
                 found = n - self.run[p]
         return found
 
+    def settled(self) -> int:
+        """How many leading tokens no later cut can remove. A cut for period p keeps the text
+        up to where p's current run began, so a token inside any run still in progress may yet
+        be cut; a stream sends only the settled part, so it never shows what is then dropped
+        (a look-behind of at most max(2 x max_period, min_tokens) tokens, usually a few)."""
+        n = len(self.tokens)
+        return n - max(self.run[1 : min(self.max_period, n - 1) + 1], default=0)
+
 
 def find_loop(tokens: list[int], **kw) -> int | None:
     """The cut `LoopDetector` would make on this token list, at the first token it fires."""
