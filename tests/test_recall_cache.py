@@ -21,7 +21,7 @@ class HashEmbedder:
     def __init__(self):
         self.texts = 0  # how many texts it embedded
 
-    def embed(self, texts: list[str]) -> np.ndarray:
+    def embed(self, texts: list[str], owner: str = "") -> np.ndarray:
         self.texts += len(texts)
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for i, t in enumerate(texts):

@@ -93,3 +93,91 @@ def test_a_tenants_memory_requests_wait_their_turn_others_do_not():
         th.join()
     with slots.hold("noisy"):
         pass
+
+
+def _grant_order(gate, queued: list[tuple[str, float]], holder: str = "holder") -> list[str]:
+    """Hold `gate` as `holder`, queue one thread per (owner, cost) in that order, release,
+    and return the owners in the order they got their turns."""
+    import threading
+    import time
+
+    order: list[str] = []
+    gate.acquire(holder, 100.0)
+    threads = []
+    for i, (owner, cost) in enumerate(queued):
+        def take(owner=owner, cost=cost):
+            with gate.turn(owner, cost):
+                order.append(owner)
+        threads.append(threading.Thread(target=take))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while gate.waiting() < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    gate.release()
+    for t in threads:
+        t.join(5)
+    return order
+
+
+def test_fair_gate_serves_an_idle_owner_before_a_backlog():
+    from agentmem.fair import FairGate
+
+    gate = FairGate()
+    order = _grant_order(gate, [("noisy", 100.0)] * 6 + [("quiet", 100.0)], holder="noisy")
+    assert order[0] == "quiet"  # a plain lock (FIFO at best) would serve it seventh
+    assert order[1:] == ["noisy"] * 6
+
+
+def test_fair_gate_shares_turns_between_backlogged_owners_by_cost():
+    from agentmem.fair import FairGate
+
+    order = _grant_order(FairGate(), [("a", 10.0)] * 4 + [("b", 10.0)] * 4)
+    assert order == ["a", "b"] * 4
+    # b's turns cost twice a's: a gets two turns for each of b's
+    order = _grant_order(FairGate(), [("a", 10.0)] * 6 + [("b", 20.0)] * 3)
+    assert order == ["a", "b", "a", "a", "b", "a", "a", "b", "a"]
+
+
+def test_embedder_turns_are_bounded_and_keep_the_order(embedder):
+    import numpy as np
+
+    from agentmem.tiers.embed import BATCH, TURN_CHARS, _turns
+
+    lengths = [10] * 100 + [900, 1500, 5000, 30]
+    runs = _turns(lengths)
+    assert sorted(i for r in runs for i in r) == list(range(len(lengths)))
+    assert all(len(r) <= BATCH and (len(r) == 1 or sum(lengths[i] for i in r) <= TURN_CHARS) for r in runs)
+    texts = ["a dog called Pepper " * 60, "rice and beans", "a weekend trip " * 150, "hello"]
+    one_by_one = np.concatenate([embedder.embed([t]) for t in texts])
+    together = embedder.embed(texts, owner="tenant-a")
+    np.testing.assert_allclose(together, one_by_one, atol=2e-2)  # bf16 batches pad differently
+    assert [int(np.argmax(together @ v)) for v in one_by_one] == [0, 1, 2, 3]
+
+
+def test_a_tenants_queue_is_bounded_past_it_429_at_once():
+    import threading
+    import time
+
+    import pytest
+
+    from agentmem.api.errors import ApiError
+    from agentmem.api.limits import TenantSlots
+
+    slots = TenantSlots(limit=1, wait_s=30, queue=2, what="chat turns")
+    release = slots.enter("noisy")
+    waiters = [threading.Thread(target=lambda: slots.enter("noisy")()) for _ in range(2)]
+    for t in waiters:
+        t.start()
+    while slots._waiting.get("noisy", 0) < 2:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    with pytest.raises(ApiError) as refused:  # the queue is full: refused without waiting
+        slots.enter("noisy")
+    assert time.perf_counter() - t0 < 1.0
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
+    slots.enter("quiet")()  # another tenant's queue is its own
+    release()
+    release()  # giving back twice gives back once
+    for t in waiters:
+        t.join(5)
+    assert not any(t.is_alive() for t in waiters) and "noisy" not in slots._waiting

@@ -43,7 +43,8 @@ class Services:
             from ..cluster import RedisCollector, redis_link
 
             self.metrics.registry.register(RedisCollector(redis_link(config.redis_url)))
-        self.slots = TenantSlots(limits.tenant_concurrency, limits.tenant_wait_s)
+        self.slots = TenantSlots(limits.tenant_concurrency, limits.tenant_wait_s, limits.tenant_queue)
+        self.chat_slots = TenantSlots(limits.tenant_chats, limits.tenant_wait_s, limits.tenant_queue, "chat turns")
         self.failed_auth = RateLimiter(limits.failed_auth_per_minute, max_keys=limits.rate_clients)
         self._engine = engine
         self._engine_lock = threading.Lock()
@@ -106,6 +107,7 @@ class Services:
             self.metrics.forget_tenant(tenant_id)
             self.rate.forget(tenant_id)
             self.slots.forget(tenant_id)
+            self.chat_slots.forget(tenant_id)
             self.keys.drop_tenant(tenant_id)
 
 

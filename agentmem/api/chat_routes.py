@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import weakref
 from collections.abc import Iterator
 
 from fastapi import APIRouter, Depends, Request
@@ -86,6 +87,7 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
     model = _model_id(svc) if svc.engine_loaded else req.model
     cid = "chatcmpl-" + uuid.uuid4().hex
     m = svc.metrics
+    release = svc.chat_slots.enter(who.tenant_id)  # the tenant's own queue: 429 past it
     m.queue.inc()
     try:
         pieces, result = svc.chat.run(who.tenant_id, req, max_tokens, fmt)
@@ -94,9 +96,11 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
                 pass
     except BaseException:
         m.queue.dec()
+        release()
         raise
     if not req.stream:
         m.queue.dec()
+        release()
         r = result()
         m.observe_generation(who.tenant_id, r.prompt_tokens, r.completion_tokens, r.reused_tokens, r.ttft_s)
         message, finish = _message(r.text, r, fmt)  # r.text: a looping reply holds one cycle
@@ -108,8 +112,11 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
     except BaseException:
         m.queue.dec()
         _close(pieces)
+        release()
         raise
-    return StreamingResponse(_sse(cid, model, who.tenant_id, req, first, pieces, result, svc, fmt),
+    body = _sse(cid, model, who.tenant_id, req, first, pieces, result, svc, fmt, release)
+    weakref.finalize(body, release)  # a stream the client left before it started never runs its finally
+    return StreamingResponse(body,
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -124,7 +131,7 @@ def _chunk(cid: str, model: str, delta: dict, finish: str | None = None, logprob
 
 
 def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first: str | None,
-         pieces: Iterator[str], result, svc, fmt: ReplyFormat) -> Iterator[str]:
+         pieces: Iterator[str], result, svc, fmt: ReplyFormat, release) -> Iterator[str]:
     """Text streams as it comes. A reply that may be tool calls is read until its first
     characters tell (under the grammar a call starts with the call tag, prose cannot); each
     call is then sent whole, in its own tool_calls delta, as soon as it has closed."""
@@ -166,6 +173,7 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
     finally:
         m.queue.dec()
         _close(pieces)
+        release()
 
 
 def _chain(first: str | None, pieces: Iterator[str]) -> Iterator[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,6 +28,8 @@ class Limits:
     rate_per_minute: float = 600.0  # per tenant; burst = one minute's worth
     max_import_bytes: int = 16 << 20  # import documents may be larger than other bodies
     tenant_concurrency: int = 4  # memory writes, searches, imports one tenant runs at once (0: unlimited)
+    tenant_chats: int = 16  # chat turns one tenant runs at once (0: unlimited)
+    tenant_queue: int = 64  # a tenant's requests waiting for one of those beyond which it gets 429 at once
     tenant_wait_s: float = 120.0  # how long a request waits for one of them before a 429
     failed_auth_per_minute: float = 30.0  # per client address: guessing keys is slow
     rate_clients: int = 100_000  # addresses (or tenants) a rate limiter remembers at most
@@ -145,31 +147,63 @@ class RateLimiter:
 
 
 class TenantSlots:
-    """At most `limit` of one tenant's memory requests (writes, which embed, searches,
-    imports) run at once; the rest wait their turn in their own tenant's queue. Embedding
-    is CPU work: without this a tenant posting 16 long messages at once holds 16 threads'
-    worth of CPU and every other tenant's search queues behind them."""
+    """At most `limit` of one tenant's requests of a kind run at once; the next `queue` wait
+    their turn in their own tenant's queue (up to `wait_s`), and any beyond those are
+    refused at once with 429 and Retry-After. A tenant firing 100 requests at once thus
+    holds `limit` threads' worth of CPU and `queue` idle threads, never the whole thread
+    pool, and every other tenant's requests go on as if it were quiet."""
 
-    def __init__(self, limit: int, wait_s: float):
-        self.limit, self.wait_s = limit, wait_s
+    def __init__(self, limit: int, wait_s: float, queue: int = 64, what: str = "memory requests"):
+        self.limit, self.wait_s, self.queue, self.what = limit, wait_s, queue, what
         self._slots: dict[str, threading.BoundedSemaphore] = {}
+        self._waiting: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def _busy(self, why: str) -> ApiError:
+        return ApiError(429, f"{why}; retry later", "rate_limit_error", "too_many_concurrent",
+                        headers={"Retry-After": "1"})
+
+    def enter(self, tenant_id: str) -> Callable[[], None]:
+        """Take one of the tenant's slots; returns the function that gives it back (calling
+        it again does nothing)."""
+        if self.limit <= 0:
+            return lambda: None
+        with self._lock:
+            slot = self._slots.setdefault(tenant_id, threading.BoundedSemaphore(self.limit))
+            if slot.acquire(blocking=False):
+                return _once(slot.release)
+            if self._waiting.get(tenant_id, 0) >= self.queue:
+                raise self._busy(f"{self.limit} {self.what} of this tenant are running and {self.queue} waiting")
+            self._waiting[tenant_id] = self._waiting.get(tenant_id, 0) + 1
+        try:
+            got = slot.acquire(timeout=self.wait_s)
+        finally:
+            with self._lock:
+                left = self._waiting.pop(tenant_id) - 1
+                if left:
+                    self._waiting[tenant_id] = left
+        if not got:
+            raise self._busy(f"more than {self.limit} {self.what} of this tenant are running")
+        return _once(slot.release)
 
     @contextmanager
     def hold(self, tenant_id: str) -> Iterator[None]:
-        if self.limit <= 0:
-            yield
-            return
-        with self._lock:
-            slot = self._slots.setdefault(tenant_id, threading.BoundedSemaphore(self.limit))
-        if not slot.acquire(timeout=self.wait_s):
-            raise ApiError(429, f"more than {self.limit} memory requests of this tenant are running; retry later",
-                           "rate_limit_error", "too_many_concurrent", headers={"Retry-After": "1"})
+        release = self.enter(tenant_id)
         try:
             yield
         finally:
-            slot.release()
+            release()
 
     def forget(self, tenant_id: str) -> None:
         with self._lock:
             self._slots.pop(tenant_id, None)
+
+
+def _once(release: Callable[[], None]) -> Callable[[], None]:
+    done = threading.Lock()
+
+    def give_back() -> None:
+        if done.acquire(blocking=False):
+            release()
+
+    return give_back

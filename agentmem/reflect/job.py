@@ -79,7 +79,7 @@ class _UserFacts:
 
     def vector(self, m: Memory) -> np.ndarray:
         if m.id not in self._vectors:
-            self._vectors[m.id] = self.store.embedder_instance().embed([m.text])[0]
+            self._vectors[m.id] = self.store.embedder_instance().embed([m.text], owner=self.tenant_id)[0]
         return self._vectors[m.id]
 
     def same_slot(self, slot: str) -> list[Memory]:
@@ -88,7 +88,7 @@ class _UserFacts:
     def near_duplicate(self, text: str) -> Memory | None:
         if not self.active:
             return None
-        v = self.store.embedder_instance().embed([text])[0]
+        v = self.store.embedder_instance().embed([text], owner=self.tenant_id)[0]
         best = max(self.active.values(), key=lambda m: float(self.vector(m) @ v))
         return best if float(self.vector(best) @ v) >= DUPLICATE_SIMILARITY else None
 

@@ -7,13 +7,15 @@ Vectors are L2-normalised float32, so an inner-product FAISS index ranks by cosi
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
 
-BATCH = 64  # texts per forward pass
-LOCK_BATCH = 64  # texts embedded per hold of the shared model: one forward pass
+from ..fair import FairGate
+
+BATCH = 64  # texts per forward pass at most
+TURN_CHARS = 2000  # characters per turn on the shared model: a bulk text waits for one such turn
+QUICK_CHARS = 512  # a call this short (a query) takes the quick lane, beside the bulk one
 
 
 def default_model_dir() -> Path:
@@ -29,20 +31,41 @@ class Embedder:
         self.model = model
         dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
         self.dim = int(dim())
-        self._lock = threading.Lock()
+        self.bulk = FairGate()
+        self.quick = FairGate()
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """The model is shared by every tenant: it is held one bounded batch at a time, so a
-        query's single text waits for one batch of someone's bulk import, never for all of it."""
+    def embed(self, texts: list[str], owner: str = "") -> np.ndarray:
+        """The model is shared by every tenant (`owner`). Long work runs one bounded turn
+        (about TURN_CHARS of text) at a time, turns going to owners in fair order; a short
+        call (a search query) takes a lane of its own, also in fair order. So a tenant's
+        one-line query waits for at most another query, never for someone's backlog of long
+        messages."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         texts = list(texts)
-        out = []
-        for i in range(0, len(texts), LOCK_BATCH):
-            with self._lock:
-                out.append(self.model.encode(texts[i:i + LOCK_BATCH], batch_size=BATCH, normalize_embeddings=True,
-                                             convert_to_numpy=True, show_progress_bar=False))
-        return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # like lengths pad least together
+        lane = self.quick if sum(map(len, texts)) <= QUICK_CHARS else self.bulk
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for batch in _turns([len(texts[i]) for i in order]):
+            idx = [order[i] for i in batch]
+            with lane.turn(owner, sum(min(len(texts[i]), TURN_CHARS) for i in idx) + 100):
+                out[idx] = self.model.encode([texts[i] for i in idx], batch_size=BATCH, normalize_embeddings=True,
+                                             convert_to_numpy=True, show_progress_bar=False)
+        return out
+
+
+def _turns(lengths: list[int]) -> list[list[int]]:
+    """Positions 0..n-1 cut into runs of at most TURN_CHARS characters (a longer text alone)
+    and at most BATCH texts."""
+    runs: list[list[int]] = [[]]
+    chars = 0
+    for i, n in enumerate(lengths):
+        if runs[-1] and (chars + n > TURN_CHARS or len(runs[-1]) >= BATCH):
+            runs.append([])
+            chars = 0
+        runs[-1].append(i)
+        chars += n
+    return runs
 
 
 def load_embedder(path: Path | str | None = None, dtype: str = "auto") -> Embedder:
@@ -63,4 +86,8 @@ def load_embedder(path: Path | str | None = None, dtype: str = "auto") -> Embedd
     model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
     if dtype == "bfloat16" or (dtype == "auto" and cpu_has_bf16()):
         model.to(torch.bfloat16)
-    return Embedder(model)
+    embedder = Embedder(model)
+    # the first call sets the tokenizer's padding and truncation; later calls, the two lanes'
+    # at once included, find them set and only read them
+    embedder.embed(["warm up"])
+    return embedder

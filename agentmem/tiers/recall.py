@@ -349,7 +349,7 @@ class Recall:
                 self._remove(ui, _MEMORY, i)
             new_mems = [i for i in want_mems if i not in ui.memories]
             if new_mems:
-                self._add_memories(ui, self.archive.memories_by_id(tenant_id, user_id, new_mems).values())
+                self._add_memories(tenant_id, ui, self.archive.memories_by_id(tenant_id, user_id, new_mems).values())
             self._maybe_ivf(ui)
             self._maybe_save(tenant_id, user_id, ui)
             with self._cache_lock:
@@ -388,17 +388,17 @@ class Recall:
             pieces += [p for _, p in got]
             ui.messages[m.id] = len(got)
         ui.see(messages)
-        self._add(ui, texts, pieces)
+        self._add(tenant_id, ui, texts, pieces)
 
-    def _add_memories(self, ui: UserIndex, memories) -> None:
+    def _add_memories(self, tenant_id: str, ui: UserIndex, memories) -> None:
         memories = list(memories)
-        self._add(ui, [m.text for m in memories], [(_MEMORY, m.id, 0, _VIEW_TEXT) for m in memories])
+        self._add(tenant_id, ui, [m.text for m in memories], [(_MEMORY, m.id, 0, _VIEW_TEXT) for m in memories])
         for m in memories:
             ui.memories[m.id] = m.updated_at.replace(tzinfo=None).isoformat()
 
-    def _add(self, ui: UserIndex, texts: list[str], pieces: list[tuple[int, int, int, int]]) -> None:
+    def _add(self, tenant_id: str, ui: UserIndex, texts: list[str], pieces: list[tuple[int, int, int, int]]) -> None:
         if texts:
-            vectors = self.embedder.embed(texts)
+            vectors = self.embedder.embed(texts, owner=tenant_id)
             ui.index.add_with_ids(vectors, ui.assign(pieces))
             ui.dirty += len(texts)
 
@@ -442,7 +442,7 @@ class Recall:
         ui = self.sync(tenant_id, user_id)
         conv_now = datetime.fromtimestamp(ui.newest, UTC) if ui.newest else datetime.now(UTC)
         pq = parse_query(query, sorted(ui.speakers), conv_now)
-        qvec = self.embedder.embed([pq.dense_text]) if use - {"lexical"} else None  # outside the user's lock
+        qvec = self.embedder.embed([pq.dense_text], owner=tenant_id) if use - {"lexical"} else None  # outside the user's lock
         cands: dict[tuple[int, int], _Cand] = {}
         with self._lock(tenant_id, user_id):
             if qvec is not None and ui.index.ntotal:
