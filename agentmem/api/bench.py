@@ -11,9 +11,9 @@ is batched throughput over serial throughput.
 The noisy-neighbour run (on the batched server, after the levels) measures a quiet tenant's
 search and time-to-first-token p95 alone, then again while a second tenant floods the
 same server at its limits: `--flood-clients` concurrent clients each streaming chat turns
-and posting messages of the longest allowed size. `neighbour_search_p95_s` and
-`neighbour_ttft_p95_s` beside `alone_search_p95_s` and `alone_ttft_p95_s` show what the
-flood costs the quiet tenant.
+and posting messages of the longest allowed size (a 429 makes a client wait its
+Retry-After). `neighbour_search_p95_s` and `neighbour_ttft_p95_s` beside
+`alone_search_p95_s` and `alone_ttft_p95_s` show what the flood costs the quiet tenant.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def neighbour(url: str, quiet_key: str, noisy_key: str, args) -> dict:
             c.post("/v1/users/quiet/messages", json={"messages": [{"role": "user", "content": q}]}).raise_for_status()
     alone = _probe(url, quiet_key, args.neighbour_probes, args.max_tokens, args.timeout)
     stop = threading.Event()
-    sent = {"chats": 0, "posts": 0, "errors": 0}
+    sent = {"chats": 0, "posts": 0, "shed": 0, "errors": 0}
     lock = threading.Lock()
     filler = ("My notes for today, in full detail. " * (args.flood_chars // 36 + 1))[: args.flood_chars]
 
@@ -192,6 +192,10 @@ def neighbour(url: str, quiet_key: str, noisy_key: str, args) -> dict:
                         _ttft(c, {"user": f"noisy-{i}", "max_tokens": args.max_tokens,
                                   "messages": [{"role": "user", "content": QUESTIONS[n % len(QUESTIONS)]}]})
                         kind = "chats"
+                except httpx.HTTPStatusError as exc:  # a 429 is the server shedding the flood: back off
+                    kind = "shed" if exc.response.status_code == 429 else "errors"
+                    if kind == "shed":
+                        stop.wait(float(exc.response.headers.get("Retry-After", "1")))
                 except (httpx.HTTPError, RuntimeError):
                     kind = "errors"
                 with lock:
