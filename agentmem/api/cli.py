@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
                    help="requests per minute per tenant (0: unlimited)")
     p.add_argument("--tenant-concurrency", type=int, default=d.tenant_concurrency,
                    help="memory writes/searches/imports one tenant runs at once; the rest wait (0: unlimited)")
+    p.add_argument("--tenant-chats", type=int, default=d.tenant_chats,
+                   help="chat turns one tenant runs at once; the rest wait (0: unlimited)")
+    p.add_argument("--tenant-queue", type=int, default=d.tenant_queue,
+                   help="a tenant's requests that may wait for those; past them 429 with Retry-After at once")
     p.add_argument("--serial", action="store_true",
                    help="answer one chat at a time instead of batching (the peer of `agentmem bench serve`)")
     p.add_argument("--reflect-every-turns", type=int, default=20,
@@ -66,7 +70,8 @@ def main(argv: list[str]) -> int:
     config = config_from(args)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_message_chars=args.max_message_chars,
                     max_tokens=args.max_tokens, rate_per_minute=args.rate_limit,
-                    tenant_concurrency=args.tenant_concurrency)
+                    tenant_concurrency=args.tenant_concurrency, tenant_chats=args.tenant_chats,
+                    tenant_queue=args.tenant_queue)
     engine = None
     if args.preload:
         from ..engine import load_engine
