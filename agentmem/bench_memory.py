@@ -236,6 +236,77 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "p50": _pct([o.seconds for o in outcomes], 0.5), "p95": _pct([o.seconds for o in outcomes], 0.95)}
 
 
+def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]]:
+    """The workload on `config`'s engine (remote when `config.engine_url` is set) and a store
+    of its own: import, the memory condition, and with `with_conditions` the full-context
+    baseline and the reflection conditions as asked."""
+    from .engine import load_engine
+    from .tiers import MemoryStore
+
+    print(f"loading engine and embedder (data in {config.data_dir})", file=sys.stderr)
+    engine = load_engine(config)  # AGENTMEM_ENGINE_URL: a remote inference server answers
+    store = MemoryStore(config)
+    workload = build_workload(args.seed, args.users, args.facts, args.turns, args.sessions, args.change_frac)
+    t0 = time.perf_counter()
+    prepare(store, engine, config, workload, "bench")
+    import_s = time.perf_counter() - t0
+    outcomes = run_memory(store, engine, config, workload, "bench", args.max_tokens)
+    mem = summarize(outcomes)
+    hist = history_tokens(engine, workload)
+    result = {
+        "evidence_recall_at_10": mem["recalled"],
+        "evidence_in_prompt": mem["evidence"],
+        "answer_accuracy": mem["accuracy"],
+        "full_context_accuracy": None,
+        "prompt_tokens_mean": mem["prompt_tokens_mean"],
+        "history_tokens_mean": statistics.mean(hist),
+        "prompt_to_history": mem["prompt_tokens_mean"] / statistics.mean(hist),
+        "turn_p50_s": mem["p50"],
+        "turn_p95_s": mem["p95"],
+    }
+    if with_conditions and not args.no_baseline:
+        window = args.window or engine.context_window - args.max_tokens - 1
+        full = summarize(run_full_context(engine, workload, window, args.max_tokens))
+        result |= {"full_context_accuracy": full["accuracy"], "full_context_evidence": full["evidence"],
+                   "full_context_prompt_tokens_mean": full["prompt_tokens_mean"],
+                   "full_context_turn_p50_s": full["p50"], "full_context_window": window}
+    if with_conditions and not args.no_reflect:
+        from .reflect.bench import run as run_reflect_conditions
+
+        result |= run_reflect_conditions(store, engine, config, workload, prepare, args.max_tokens,
+                                         use_model=args.reflect_model, rate=args.compress_rate)
+    result |= {"questions": len(hist), "users": args.users, "turns_per_user": args.turns, "seed": args.seed,
+               "import_s": import_s, "recall_k": config.recall_k, "context_budget": config.context_budget,
+               "model": engine.model_id, "sampling": dict(engine.sampling_defaults)}
+    if config.engine_url:  # what the server reported over the memory turns (remote.RemoteStats)
+        stats = [t.trace["stats"] for h in workload for t in store.turns("bench", h.user, limit=1000)]
+        cached = [st["server"]["cached_tokens"] for st in stats if st.get("server")]
+        result |= {"engine": "remote", "server": config.engine_url,
+                   "token_counts": "server" if engine.counts_on_server else "local tokenizer files",
+                   "server_prompt_tokens": sum(st["prompt_tokens"] for st in stats),
+                   "server_cached_tokens": None if None in cached else sum(cached),
+                   "server_cached_token_share": None if None in cached or not stats else
+                   sum(cached) / sum(st["prompt_tokens"] for st in stats)}
+        if None in cached:
+            result["server_cached_tokens_reason"] = ("the server reported no cached tokens (no usage."
+                                                     "prompt_tokens_details.cached_tokens, no timings.cache_n)")
+    else:
+        result |= {"engine": "embedded", "dtype": str(engine.dtype).removeprefix("torch."),
+                   "device": str(engine.device)}
+    store.close()
+    return result, outcomes
+
+
+def server_log_share(log: str, prompt_tokens: int) -> dict:
+    """The cached-token share llama-cpp-python's own log gives for this run (engine/llama_server.py)."""
+    from .engine.llama_server import log_cache_hits
+
+    hits = log_cache_hits(log)
+    return {"server_log": hits, "server_log_cached_token_share": hits["cached_tokens"] / prompt_tokens
+            if prompt_tokens else None,
+            "server_log_source": "llama-cpp-python server log: Llama.generate: N prefix-match hit, per completion"}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="agentmem bench memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -253,61 +324,45 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reflect-model", action="store_true", help="reflection also uses constrained decoding")
     ap.add_argument("--compress-rate", type=float, default=None, help="LLMLingua rate for recalled messages")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 user, 4 facts, 60 turns, no baseline")
+    ap.add_argument("--llama-server", action="store_true",
+                    help="start llama-cpp-python's server on the default GGUF and run remote (engine: remote)")
+    ap.add_argument("--llama-ctx", type=int, default=8192, help="with --llama-server: its context window")
+    ap.add_argument("--llama-threads", type=int, default=1, help="with --llama-server: its threads")
+    ap.add_argument("--embedded-peer", action="store_true",
+                    help="remote runs: the same workload on the embedded engine too, in this run")
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.facts, args.turns, args.no_baseline = 1, 4, 60, True
 
+    from contextlib import ExitStack
+    from pathlib import Path
+
     from .config import Config
-    from .engine import load_engine
-    from .tiers import MemoryStore
 
-    data = tempfile.mkdtemp(prefix="agentmem-bench-")
-    config = Config(data_dir=data, dtype=args.dtype)
-    print(f"loading engine and embedder (data in {data})", file=sys.stderr)
-    engine = load_engine(config)  # AGENTMEM_ENGINE_URL: a remote inference server answers
-    store = MemoryStore(config)
-    workload = build_workload(args.seed, args.users, args.facts, args.turns, args.sessions, args.change_frac)
-    t0 = time.perf_counter()
-    prepare(store, engine, config, workload, "bench")
-    import_s = time.perf_counter() - t0
-    mem = summarize(run_memory(store, engine, config, workload, "bench", args.max_tokens))
-    hist = history_tokens(engine, workload)
-    result = {
-        "evidence_recall_at_10": mem["recalled"],
-        "evidence_in_prompt": mem["evidence"],
-        "answer_accuracy": mem["accuracy"],
-        "full_context_accuracy": None,
-        "prompt_tokens_mean": mem["prompt_tokens_mean"],
-        "history_tokens_mean": statistics.mean(hist),
-        "prompt_to_history": mem["prompt_tokens_mean"] / statistics.mean(hist),
-        "turn_p50_s": mem["p50"],
-        "turn_p95_s": mem["p95"],
-    }
-    if not args.no_baseline:
-        window = args.window or engine.context_window - args.max_tokens - 1
-        full = summarize(run_full_context(engine, workload, window, args.max_tokens))
-        result |= {"full_context_accuracy": full["accuracy"], "full_context_evidence": full["evidence"],
-                   "full_context_prompt_tokens_mean": full["prompt_tokens_mean"],
-                   "full_context_turn_p50_s": full["p50"], "full_context_window": window}
-    if not args.no_reflect:
-        from .reflect.bench import run as run_reflect_conditions
+    with ExitStack() as stack:
+        engine_url = None
+        if args.llama_server:
+            from .engine.llama_server import LlamaServer
 
-        result |= run_reflect_conditions(store, engine, config, workload, prepare, args.max_tokens,
-                                         use_model=args.reflect_model, rate=args.compress_rate)
-    result |= {"questions": len(hist), "users": args.users, "turns_per_user": args.turns, "seed": args.seed,
-               "import_s": import_s, "recall_k": config.recall_k, "context_budget": config.context_budget,
-               "model": engine.model_id}
-    if config.engine_url:  # what the server reported over the memory turns (remote.RemoteStats)
-        stats = [t.trace["stats"] for h in workload for t in store.turns("bench", h.user, limit=1000)]
-        cached = [st["server"]["cached_tokens"] for st in stats if st.get("server")]
-        result |= {"engine": "remote", "server": config.engine_url,
-                   "server_prompt_tokens": sum(st["prompt_tokens"] for st in stats),
-                   "server_cached_tokens": None if None in cached else sum(cached),
-                   "server_cached_token_share": None if None in cached or not stats else
-                   sum(cached) / sum(st["prompt_tokens"] for st in stats)}
-    else:
-        result |= {"engine": "embedded", "dtype": str(engine.dtype).removeprefix("torch."),
-                   "device": str(engine.device)}
+            log = Path(tempfile.mkdtemp(prefix="agentmem-llama-")) / "server.log"
+            print(f"starting llama-cpp-python's server on the default GGUF (log in {log})", file=sys.stderr)
+            server = stack.enter_context(LlamaServer(log, n_ctx=args.llama_ctx, threads=args.llama_threads))
+            engine_url = server.url
+        config = Config(data_dir=tempfile.mkdtemp(prefix="agentmem-bench-"), dtype=args.dtype,
+                        **({"engine_url": engine_url} if engine_url else {}))
+        result, outcomes = run_engine(config, args, with_conditions=True)
+        if config.engine_url and args.llama_server:
+            result |= server_log_share(server.log_text(), result["server_prompt_tokens"])
+        if config.engine_url and args.embedded_peer:
+            peer_config = Config(data_dir=tempfile.mkdtemp(prefix="agentmem-bench-"), dtype=args.dtype,
+                                 engine_url=None)
+            peer, peer_outcomes = run_engine(peer_config, args, with_conditions=False)
+            pairs = list(zip(outcomes, peer_outcomes, strict=True))
+            result["peer"] = peer
+            result |= {"embedded_answer_accuracy": peer["answer_accuracy"],
+                       "accuracy_gap": result["answer_accuracy"] - peer["answer_accuracy"],
+                       "answers_agree": sum(a.correct == b.correct for a, b in pairs) / len(pairs),
+                       "replies_identical": sum(a.reply == b.reply for a, b in pairs) / len(pairs)}
     if args.json:
         print(json.dumps(result))
     else:

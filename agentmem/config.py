@@ -101,6 +101,14 @@ class Config(BaseSettings):
     engine_api_key: str | None = None
     engine_model: str | None = None
     engine_tokenizer: Path | None = None  # the model's tokenizer files; default: the default model's
+    # token counts: auto (the files above when given, else the server's tokenize endpoint where
+    # it has one, else the default model's files) | server (its endpoint, required) | local
+    engine_tokenize: str = "auto"
+    # what reflection and LLMLingua compression run on: "local" (the engine itself when it is
+    # embedded; beside a remote engine, the default model loaded in this process: they read
+    # the model's tensors, which a server does not expose) | "none" (no model: the fact
+    # templates alone, no compression)
+    reflect_engine: str = "local"
     engine_timeout_s: float = 120.0  # per read; connecting gives up after 5 s
     engine_retries: int = 3  # for calls that generated nothing yet, with exponential backoff
 

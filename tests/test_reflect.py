@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -421,5 +422,30 @@ def test_service_starts_background_reflection_when_asked(tmp_path, embedder):
         assert sched.every_turns == 5 and sched.idle_s == 30 and sched._thread.is_alive()
         sched.stop(5)
         assert create_app(cfg, store=s, ui=False).state.services.reflection is None
+    finally:
+        s.close()
+
+
+def test_reflect_engine_none_reflects_by_templates_and_loads_no_model(tmp_path, embedder):
+    """AGENTMEM_REFLECT_ENGINE=none beside a remote engine: reflection runs on the templates
+    alone, the compressor is not built, and neither the remote engine nor a local model is
+    loaded (the URL here answers nothing)."""
+    from agentmem.api import create_app
+    from agentmem.api.local import free_port
+
+    cfg = Config(data_dir=tmp_path, engine_url=f"http://127.0.0.1:{free_port()}", reflect_engine="none")
+    s = MemoryStore(cfg, embedder=embedder)
+    try:
+        services = create_app(cfg, store=s, ui=False, reflect_every_turns=1).state.services
+        _say(s, ["I live in Oslo."])
+        services.reflection.notify()
+        deadline = time.monotonic() + 60
+        while "The user lives in Oslo." not in _facts(s, status="active"):
+            assert time.monotonic() < deadline, "the background pass wrote no fact"
+            time.sleep(0.2)
+        services.reflection.stop(5)
+        assert services._engine is None and services._local is None
+        with pytest.raises(ValueError, match="local or none"):
+            create_app(Config(data_dir=tmp_path, reflect_engine="remote"), store=s, ui=False, reflect_every_turns=1)
     finally:
         s.close()

@@ -5,10 +5,6 @@ so, where llama_cpp is not importable)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,8 +14,8 @@ from agentmem.api import create_app, create_tenant_with_key
 from agentmem.api.local import LocalServer, free_port
 from agentmem.config import Config
 from agentmem.engine import EngineUnavailable, TextEngine, load_engine
+from agentmem.engine.llama_server import LlamaServer
 from agentmem.engine.remote import RemoteEngine
-from agentmem.engine.weights import default_gguf
 from agentmem.session import AgentSession
 from agentmem.tiers import MemoryStore
 
@@ -30,35 +26,9 @@ pytestmark = pytest.mark.skipif(
 WINDOW = 4096
 
 
-class LlamaServer:
-    def __init__(self, log_dir):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"llama-{self.port}.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf()), "--host", "127.0.0.1",
-                 "--port", str(self.port), "--n_ctx", str(WINDOW), "--n_threads", "1", "--model_alias", "smollm2"],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("llama-cpp-python's server did not start")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = LlamaServer(tmp_path_factory.mktemp("llama"))
+    s = LlamaServer(tmp_path_factory.mktemp("llama") / "llama.log", n_ctx=WINDOW)
     yield s
     s.kill()
 
@@ -120,7 +90,7 @@ def test_session_turns_through_the_remote_engine(remote, tmp_path, embedder):
 
 
 def test_server_killed_mid_stream_fails_the_turn_cleanly(tmp_path, embedder):
-    dying = LlamaServer(tmp_path)
+    dying = LlamaServer(tmp_path / "llama.log", n_ctx=WINDOW)
     cfg = _config(tmp_path, dying.url)
     store = MemoryStore(cfg, embedder=embedder)
     remote = load_engine(cfg)

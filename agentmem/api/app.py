@@ -87,13 +87,21 @@ class Services:
     def start_reflection(self, every_turns: int = 20, idle_s: float = 300.0, poll_s: float = 5.0):
         """Offline reflection beside the service, in its own thread, never on a request's path:
         users become due after `every_turns` new turns or `idle_s` idle seconds. The model is
-        loaded only when a user is first due; the compressor is built on the same model."""
+        loaded only when a user is first due; the compressor is built on the same model.
+        `reflect_engine` "none": no model at all, the fact templates alone and no compression
+        (a replica beside a remote engine then loads nothing)."""
         from ..compress import Compressor
         from ..reflect.trigger import ReflectionScheduler
 
-        self.reflection = ReflectionScheduler(self.store, self.local_engine, every_turns=every_turns, idle_s=idle_s,
-                                              poll_s=poll_s, compressor=Compressor).start()
-        return self.reflection
+        if self.config.reflect_engine not in ("local", "none"):
+            raise ValueError(f"AGENTMEM_REFLECT_ENGINE must be local or none, got {self.config.reflect_engine!r}")
+        if self.config.reflect_engine == "none":
+            self.reflection = ReflectionScheduler(self.store, None, every_turns=every_turns, idle_s=idle_s,
+                                                  poll_s=poll_s, use_model=False)
+        else:
+            self.reflection = ReflectionScheduler(self.store, self.local_engine, every_turns=every_turns,
+                                                  idle_s=idle_s, poll_s=poll_s, compressor=Compressor)
+        return self.reflection.start()
 
     def chunk_stats(self) -> dict | None:
         return chunk_stats(self._engine)

@@ -5,12 +5,21 @@ Each prompt goes to `/v1/completions` as the rendered text of its segments, in a
 order, streamed. The assembly puts the stable part first (persona, core blocks, summary,
 recent turns), so the server's own prefix cache reuses it from turn to turn; the embedded
 engine's chunk-KV blending does not apply here. Tokens are counted with the model's own
-tokenizer files (by path; default: the default model's, in the embedded engine's cache), so
-budgets match what the server sees.
+tokenizer files when a path is given (`engine_tokenizer`), else by the server's own tokenize
+endpoint where it has one (llama-cpp-python: `/extras/tokenize/count`; vLLM and llama.cpp's
+server: `/tokenize`), else with the default model's files; either way budgets match what the
+server sees. `engine_tokenize` (auto | server | local) overrides the choice.
+
+Sampling is the embedded engine's: the same model defaults (`sampling_defaults`: the model
+card, generation_config.json, AGENTMEM_SAMPLE_*) and every setting sent explicitly, off
+included, so the server's own defaults (llama-cpp-python: top-k 40, min-p 0.05, repeat
+penalty 1.1) never apply unasked. The names follow the server's dialect: llama.cpp's
+(`repeat_penalty`, top-k 0 for off) or vLLM/SGLang's (`repetition_penalty`, top-k -1).
 
 What the server reports (prompt tokens, cached tokens where it says: `usage.
 prompt_tokens_details.cached_tokens` for vLLM/SGLang, `timings.cache_n` for llama.cpp's
-server) lands in the turn's stats; time to first token is measured here.
+server; llama-cpp-python's server reports neither, nor usage in a stream) lands in the
+turn's stats, None where the server did not say; time to first token is measured here.
 
 Failures: connecting and the server's 429/5xx answers before any text are retried with
 exponential backoff (nothing was generated yet, so the request is still idempotent); a
@@ -23,6 +32,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -31,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from ..config import Config
+from .defaults import sampling_defaults
 from .engine import ChatText, Generation, GenerationStats, Segment
 from .errors import EmptyPrompt, EngineUnavailable, PromptTooLong
 from .sampler import SamplingParams
@@ -38,6 +49,10 @@ from .tokenizer import ChatFormat, chat_format, load_tokenizer
 
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 DEFAULT_CONTEXT = 8192
+COUNT_CACHE = 4096  # token counts the server gave, kept by text (memories are counted turn after turn)
+# the server's tokenize endpoints and the text's key in their bodies: llama-cpp-python's, then
+# vLLM's ("prompt") and llama.cpp's server's ("content"); the first that answers is used
+TOKENIZE = (("/extras/tokenize/count", ("input",)), ("/tokenize", ("prompt", "content")))
 
 
 @dataclass
@@ -52,12 +67,19 @@ class RemoteStats(GenerationStats):
 class RemoteEngine(ChatText):
     def __init__(self, url: str, tokenizer, *, model: str | None = None, api_key: str | None = None,
                  context_window: int = DEFAULT_CONTEXT, timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
-                 retries: int = 3, backoff_s: float = 0.25):
+                 retries: int = 3, backoff_s: float = 0.25, defaults: dict | None = None,
+                 tokenize: str = "local"):
         self.url = url.rstrip("/").removesuffix("/v1")
         self.tokenizer = tokenizer
         self.chat: ChatFormat = chat_format(tokenizer)
         self.context_window = context_window
         self.retries, self.backoff_s = retries, backoff_s
+        self.sampling_defaults: dict = dict(defaults or {})
+        if tokenize not in ("auto", "server", "local"):
+            raise ValueError(f"engine_tokenize must be auto, server or local, got {tokenize!r}")
+        self.tokenize = tokenize
+        self._endpoint: tuple[str, tuple[str, ...]] | None | bool = False  # False: not probed yet
+        self._counts: OrderedDict[str, int] = OrderedDict()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers,
                                  timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
@@ -69,14 +91,19 @@ class RemoteEngine(ChatText):
         """Tokenizer files: `engine_tokenizer` (a directory with tokenizer.json), else the
         default model's checkpoint directory (dequantized once into the cache if missing)."""
         path = config.engine_tokenizer
+        tokenize = config.engine_tokenize
         if path is None:
-            from .weights import resolve_model_dir
+            from .weights import DEFAULT_MODEL_ID, resolve_model_dir
 
-            path = resolve_model_dir(config.model_path, config.cache_dir)
+            path, card = resolve_model_dir(config.model_path, config.cache_dir), DEFAULT_MODEL_ID
+        else:
+            card = Path(path).name
+            tokenize = "local" if tokenize == "auto" else tokenize  # the files given are the model's
         window = config.context_window or _window_from(Path(path))
         return cls(config.engine_url, load_tokenizer(Path(path)), model=config.engine_model,
                    api_key=config.engine_api_key, context_window=window, timeout_s=config.engine_timeout_s,
-                   retries=config.engine_retries)
+                   retries=config.engine_retries, defaults=sampling_defaults(Path(path), card, config),
+                   tokenize=tokenize)
 
     # --- identity --------------------------------------------------------------------------
     @property
@@ -93,6 +120,62 @@ class RemoteEngine(ChatText):
 
     def close(self) -> None:
         self.http.close()
+
+    # --- the server's tokenizer ------------------------------------------------------------
+    def _tokenize_endpoint(self) -> tuple[str, tuple[str, ...]] | None:
+        """The server's tokenize endpoint (path, body keys), probed once; None if it has none.
+        With `tokenize="local"` the server is not asked."""
+        if self._endpoint is False:
+            found = None
+            if self.tokenize != "local":
+                for path, keys in TOKENIZE:
+                    try:
+                        r = self.http.post(path, json=_tokenize_body(keys, "a"))
+                    except httpx.HTTPError:
+                        break  # down: counted locally from here on
+                    if r.status_code == 200 and ("count" in r.json() or "tokens" in r.json()):
+                        found = (path, keys)
+                        break
+                if found is None and self.tokenize == "server":
+                    raise EngineUnavailable(f"the inference server at {self.url} has no tokenize endpoint "
+                                            "(AGENTMEM_ENGINE_TOKENIZE=server)")
+            self._endpoint = found
+        return self._endpoint
+
+    @property
+    def counts_on_server(self) -> bool:
+        return self._tokenize_endpoint() is not None
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text` as the server counts them (its tokenize endpoint), else locally."""
+        ep = self._tokenize_endpoint()
+        if ep is None or not text:
+            return super().count_tokens(text)
+        with self._lock:
+            if text in self._counts:
+                self._counts.move_to_end(text)
+                return self._counts[text]
+        path, keys = ep
+        try:
+            r = self.http.post(path, json=_tokenize_body(keys, text))
+            r.raise_for_status()
+            out = r.json()
+            n = int(out["count"]) if "count" in out else len(out["tokens"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            # the server is away (the turn will say so when it asks for the reply): count
+            # with the local files meanwhile, and look for the endpoint again next time
+            self._endpoint = False
+            return super().count_tokens(text)
+        with self._lock:
+            self._counts[text] = n
+            while len(self._counts) > COUNT_CACHE:
+                self._counts.popitem(last=False)
+        return n
+
+    def count_tokens_many(self, texts: Seq[str]) -> list[int]:
+        if self._tokenize_endpoint() is None:
+            return super().count_tokens_many(texts)
+        return [self.count_tokens(t) for t in texts]
 
     def render(self, prompt: str | Seq[Segment]) -> str:
         """The prompt text the server gets: the segments' texts in order."""
@@ -120,7 +203,7 @@ class RemoteEngine(ChatText):
             body["stop"] = params.stop
         if params.seed is not None:
             body["seed"] = params.seed
-        body |= _sampling_fields(params)
+        body |= _sampling_fields(params, _dialect(self.url, self.http))
         start = time.perf_counter()
         return RemoteStream(self, self._request("POST", "/v1/completions", json=body, stream=True), n, start)
 
@@ -241,15 +324,42 @@ def _window_from(path: Path) -> int:
     return int(cfg.get("max_position_embeddings") or DEFAULT_CONTEXT)
 
 
-def _sampling_fields(params: SamplingParams) -> dict:
-    """The sampling settings that differ from off, under the names OpenAI-compatible servers
-    take (top_k, min_p and repetition_penalty as vLLM and llama.cpp's server do). A grammar
-    does not pass: the server decodes freely and the caller checks what comes back."""
+def _tokenize_body(keys: tuple[str, ...], text: str) -> dict:
+    """A tokenize request: the text under each key a server may read, no BOS/EOS added (a
+    prompt's segments are counted one by one)."""
+    return {**dict.fromkeys(keys, text), "add_special_tokens": False, "add_special": False}
+
+
+def _sampling_fields(params: SamplingParams, dialect: str) -> dict:
+    """Every sampling setting, off included (a server fills what is left out with its own
+    defaults), under the names of the server's dialect: "llama" (llama.cpp's server and
+    llama-cpp-python: `repeat_penalty`, top-k 0 is off) or "openai" (vLLM, SGLang:
+    `repetition_penalty`, top-k -1 is off). A grammar does not pass: the server decodes freely
+    and the caller checks what comes back."""
+    llama = dialect == "llama"
     out = {"frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
-           "top_k": params.top_k, "min_p": params.min_p}
-    out = {k: v for k, v in out.items() if v}
-    if params.repetition_penalty != 1.0:
-        out["repetition_penalty"] = params.repetition_penalty
+           "top_k": params.top_k or (0 if llama else -1), "min_p": params.min_p,
+           "repeat_penalty" if llama else "repetition_penalty": params.repetition_penalty}
     if params.logit_bias:
         out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
     return out
+
+
+def _dialect(url: str, http: httpx.Client) -> str:
+    """"llama" for llama.cpp's servers (llama-cpp-python's `/extras/tokenize/count`, llama.cpp's
+    `/props`), else "openai"; asked once per URL."""
+    if url in _DIALECTS:
+        return _DIALECTS[url]
+    dialect = "openai"
+    for method, path, kw in (("POST", "/extras/tokenize/count", {"json": {"input": "a"}}), ("GET", "/props", {})):
+        try:
+            if http.request(method, path, **kw).status_code == 200:
+                dialect = "llama"
+                break
+        except httpx.HTTPError:
+            return dialect  # down: decided on the next request
+    _DIALECTS[url] = dialect
+    return dialect
+
+
+_DIALECTS: dict[str, str] = {}
