@@ -373,6 +373,7 @@ def test_bench_measure_reports_each_request(api):
     r = measure(url, keys["acme"][1], clients=2, requests=2, max_tokens=2, prefix="bench")
     assert (r["clients"], r["requests"], r["errors"]) == (2, 4, 0)
     assert 0 < r["p50_s"] <= r["p99_s"] <= r["wall_s"] and r["throughput_req_s"] > 0
+    assert 0 <= r["loadgen_cpu_share"] < 1  # the async clients cost a fraction of a core
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
     assert main(["--levels", "0"]) == 2
 
@@ -414,3 +415,29 @@ def test_tenant_admin_command(tmp_path, capsys, monkeypatch):
     assert chunk is None or not chunk.exists()
     store.close()
     assert run("delete", made["tenant_id"])[0] == 1  # unknown tenant: an error, not a crash
+
+
+def test_bench_replicas_accounts_where_the_cpu_went():
+    """`bench serve --replicas`: CPU read from /proc, and rounds merged by wall time."""
+    import os
+
+    from agentmem.api.bench_replicas import allowed_cpus, cpu_seconds, machine_seconds, merge
+
+    t = cpu_seconds(os.getpid())
+    sum(i * i for i in range(300_000))
+    assert cpu_seconds(os.getpid()) > t > 0
+    busy, stolen = machine_seconds()
+    assert busy > 0 and stolen >= 0 and allowed_cpus(os.getpid()) != "?"
+    rounds = [{"clients": 4, "requests": 8, "errors": 0, "wall_s": 2.0, "tokens_s": 8.0, "latencies_s": [1.0] * 8,
+               "replica_cpu_share": [0.9, 0.7], "loadgen_cpu_share": 0.01, "postgres_cpu_share": 0.1,
+               "machine_busy_cores": 1.8, "stolen_cores": 0.0, "other_cores": 0.1, "replica_cpu_s_per_request": 0.4,
+               "error_samples": []},
+              {"clients": 4, "requests": 8, "errors": 1, "wall_s": 6.0, "tokens_s": 4.0, "latencies_s": [3.0] * 7,
+               "replica_cpu_share": [0.5, 0.3], "loadgen_cpu_share": 0.03, "postgres_cpu_share": 0.1,
+               "machine_busy_cores": 2.0, "stolen_cores": 0.2, "other_cores": 0.9, "replica_cpu_s_per_request": 0.6,
+               "error_samples": ["503"]}]
+    m = merge(rounds)
+    assert (m["requests"], m["errors"], m["rounds"]) == (16, 1, 2)
+    assert m["throughput_req_s"] == round(15 / 8.0, 4) and m["p50_s"] == 1.0 and m["p99_s"] == 3.0
+    assert m["replica_cpu_share"] == [0.6, 0.4] and m["loadgen_cpu_share"] == 0.025
+    assert m["replica_cpu_s_per_request"] == round((0.4 * 8 + 0.6 * 7) / 15, 4)
