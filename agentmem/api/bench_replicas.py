@@ -4,7 +4,18 @@ would: routed by user (client i on replica i mod N: its chunk KV stays warm ther
 alternating (turn n of client i on replica (i + n) mod N: every turn finds the other
 replica's writes). The peer, in the same run on the same workload: one replica on one core.
 `replicas_speedup` is N replicas' throughput (routed by user) over one's at the highest
-level; `alternating_speedup` the same for alternating turns.
+level; `alternating_speedup` the same for alternating turns. With `--rounds`, each level's
+arms run that many times, interleaved and in reversed order every other round, so that a
+change in the machine's other load hits every arm alike.
+
+Where the CPU went is measured beside each arm (Linux /proc): each replica's share of a
+core, its CPU seconds per request, the load generator's share (async clients on one event
+loop), PostgreSQL's (all of its processes), and `other_cores`, the rest of the machine's
+busy time: work that is not this run's but competes with the replicas for their cores.
+`speedup_at_full_cores` is what the measured CPU cost per request implies when each replica
+has its core to itself: N x (1 replica's CPU seconds per request) / (N replicas'). It is a
+projection from measured figures, printed beside the measured `replicas_speedup`, not
+instead of it.
 
 With `--redis-url`, a second part measures the shared chunk-KV tier: users have a first turn
 on replica A, then their next turn on replica B with Redis (A's chunk KV is there) or on
@@ -276,6 +287,9 @@ def main(args) -> int:
             "replica_cpu_share": {"replicas": top["replica_cpu_share"], "single": top["single"]["replica_cpu_share"]},
             "replica_cpu_s_per_request": {"replicas": top["replica_cpu_s_per_request"],
                                           "single": top["single"]["replica_cpu_s_per_request"]},
+            "speedup_at_full_cores": round(args.replicas * top["single"]["replica_cpu_s_per_request"]
+                                           / top["replica_cpu_s_per_request"], 3)
+            if top["replica_cpu_s_per_request"] and top["single"]["replica_cpu_s_per_request"] else None,
             "other_cores": {"replicas": top["other_cores"], "single": top["single"]["other_cores"]},
             "load_average": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]},
             "errors": sum(r["errors"] + r["single"]["errors"] + r["alternating"]["errors"] for r in rows),

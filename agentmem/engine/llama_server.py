@@ -39,7 +39,8 @@ class LlamaServer:
         self.log = Path(log)
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model or default_gguf()),
                "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(n_ctx),
-               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--model_alias", alias]
+               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--model_alias", alias,
+               "--logits_all", "false"]  # its default keeps n_ctx x vocab floats of logits nobody reads
         if cpu is not None:
             cmd = ["taskset", "-c", str(cpu)] + cmd
         with open(self.log, "wb") as out:
