@@ -49,6 +49,7 @@ from .tokenizer import ChatFormat, chat_format, load_tokenizer
 
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 DEFAULT_CONTEXT = 8192
+PROBE_AGAIN_S = 30.0  # a server that did not answer the probe is asked again after this
 COUNT_CACHE = 4096  # token counts the server gave, kept by text (memories are counted turn after turn)
 # the server's tokenize endpoints and the text's key in their bodies: llama-cpp-python's, then
 # vLLM's ("prompt") and llama.cpp's server's ("content"); the first that answers is used
@@ -79,6 +80,8 @@ class RemoteEngine(ChatText):
             raise ValueError(f"engine_tokenize must be auto, server or local, got {tokenize!r}")
         self.tokenize = tokenize
         self._endpoint: tuple[str, tuple[str, ...]] | None | bool = False  # False: not probed yet
+        self._probe_at = 0.0  # monotonic time of the next probe while the server is away
+        self._dialect: str | None = None  # the server's names for sampling settings, once asked
         self._counts: OrderedDict[str, int] = OrderedDict()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers,
@@ -123,24 +126,33 @@ class RemoteEngine(ChatText):
 
     # --- the server's tokenizer ------------------------------------------------------------
     def _tokenize_endpoint(self) -> tuple[str, tuple[str, ...]] | None:
-        """The server's tokenize endpoint (path, body keys), probed once; None if it has none.
-        With `tokenize="local"` the server is not asked."""
-        if self._endpoint is False:
-            found = None
-            if self.tokenize != "local":
-                for path, keys in TOKENIZE:
-                    try:
-                        r = self.http.post(path, json=_tokenize_body(keys, "a"))
-                    except httpx.HTTPError:
-                        break  # down: counted locally from here on
-                    if r.status_code == 200 and ("count" in r.json() or "tokens" in r.json()):
-                        found = (path, keys)
-                        break
-                if found is None and self.tokenize == "server":
-                    raise EngineUnavailable(f"the inference server at {self.url} has no tokenize endpoint "
-                                            "(AGENTMEM_ENGINE_TOKENIZE=server)")
+        """The server's tokenize endpoint (path, body keys); None if it has none. Probed once;
+        while the server is unreachable, counts are local and it is probed again after
+        PROBE_AGAIN_S. With `tokenize="local"` the server is not asked."""
+        if self._endpoint is False and self.tokenize != "local" and time.monotonic() >= self._probe_at:
+            found, down = None, ""
+            for path, keys in TOKENIZE:
+                try:
+                    r = self.http.post(path, json=_tokenize_body(keys, "a"))
+                    body = r.json() if r.status_code == 200 else {}
+                except httpx.HTTPError as exc:
+                    down = f"{type(exc).__name__}: {exc}"
+                    break
+                except ValueError:
+                    continue
+                if isinstance(body, dict) and ("count" in body or "tokens" in body):
+                    found = (path, keys)
+                    break
+            if down:
+                self._probe_at = time.monotonic() + PROBE_AGAIN_S
+                if self.tokenize == "server":
+                    raise EngineUnavailable(f"the inference server at {self.url} is unreachable ({down})")
+                return None
+            if found is None and self.tokenize == "server":
+                raise EngineUnavailable(f"the inference server at {self.url} has no tokenize endpoint "
+                                        "(AGENTMEM_ENGINE_TOKENIZE=server)")
             self._endpoint = found
-        return self._endpoint
+        return self._endpoint or None
 
     @property
     def counts_on_server(self) -> bool:
@@ -163,8 +175,8 @@ class RemoteEngine(ChatText):
             n = int(out["count"]) if "count" in out else len(out["tokens"])
         except (httpx.HTTPError, ValueError, KeyError):
             # the server is away (the turn will say so when it asks for the reply): count
-            # with the local files meanwhile, and look for the endpoint again next time
-            self._endpoint = False
+            # with the local files meanwhile, and look for the endpoint again later
+            self._endpoint, self._probe_at = False, time.monotonic() + PROBE_AGAIN_S
             return super().count_tokens(text)
         with self._lock:
             self._counts[text] = n
@@ -203,7 +215,9 @@ class RemoteEngine(ChatText):
             body["stop"] = params.stop
         if params.seed is not None:
             body["seed"] = params.seed
-        body |= _sampling_fields(params, _dialect(self.url, self.http))
+        if self._dialect is None:
+            self._dialect = _dialect(self.http)
+        body |= _sampling_fields(params, self._dialect or "openai")
         start = time.perf_counter()
         return RemoteStream(self, self._request("POST", "/v1/completions", json=body, stream=True), n, start)
 
@@ -345,21 +359,13 @@ def _sampling_fields(params: SamplingParams, dialect: str) -> dict:
     return out
 
 
-def _dialect(url: str, http: httpx.Client) -> str:
+def _dialect(http: httpx.Client) -> str | None:
     """"llama" for llama.cpp's servers (llama-cpp-python's `/extras/tokenize/count`, llama.cpp's
-    `/props`), else "openai"; asked once per URL."""
-    if url in _DIALECTS:
-        return _DIALECTS[url]
-    dialect = "openai"
+    `/props`), else "openai"; None while the server does not answer."""
     for method, path, kw in (("POST", "/extras/tokenize/count", {"json": {"input": "a"}}), ("GET", "/props", {})):
         try:
             if http.request(method, path, **kw).status_code == 200:
-                dialect = "llama"
-                break
+                return "llama"
         except httpx.HTTPError:
-            return dialect  # down: decided on the next request
-    _DIALECTS[url] = dialect
-    return dialect
-
-
-_DIALECTS: dict[str, str] = {}
+            return None
+    return "openai"
