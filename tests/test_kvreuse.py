@@ -4,6 +4,7 @@ planner inside engine.generate. Short chunks keep it cheap; the model is the sha
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -443,3 +444,25 @@ def test_blend_bench_prints_its_json_contract_last(engine, tmp_path, monkeypatch
     # and on an AMX VM the BLAS blocks those matmuls differently (KL 8.9e-08 measured there)
     assert out["curve"][-1]["kl"] < 1e-6
     assert plot.stat().st_size > 0
+    parts = out["blend_breakdown_s"]
+    assert list(parts) == list(fuser.Clock.PARTS) and all(t >= 0 for t in parts.values())
+    assert parts["layers"] > 0 and parts["attention"] > 0
+    # the parts tile the blend's TTFT: they add up to it within 10% (the issue's test)
+    assert abs(sum(parts.values()) - out["blend_ttft_s"]) <= 0.1 * out["blend_ttft_s"]
+
+
+@pytest.mark.parametrize("metric", ["query", "v"], indirect=True)
+def test_blend_breakdown_adds_up_to_the_blend_time(warm, metric, small_drift_groups):
+    """A Clock through plan() charges every stretch of a blend to one part: the parts add up to
+    the wall time within 10%, and the parts the metric runs are there."""
+    e, reuse = warm
+    parts = e.tokenize_prompt(prompt(e, [2, 0, 3], QUESTIONS[1]))
+    reuse.plan(parts, store=False)  # warm-up
+    clock = fuser.Clock()
+    t0 = clock.t
+    reuse.plan(parts, store=False, clock=clock)
+    wall = time.perf_counter() - t0
+    assert set(clock.parts) <= set(fuser.Clock.PARTS)
+    assert {"lookup", "place", "select", "drift", "layers", "attention", "logits", "finish"} <= set(clock.parts)
+    assert ("probe" in clock.parts) == (metric == "query")
+    assert abs(sum(clock.parts.values()) - wall) <= 0.1 * wall

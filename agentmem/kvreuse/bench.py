@@ -22,7 +22,7 @@ import torch
 
 from ..config import Config
 from ..engine import DenseKV, Engine, Segment
-from .fuser import METRICS, resolve_check_layer
+from .fuser import METRICS, Clock, resolve_check_layer
 from .reuse import ChunkReuse
 
 NAMES = ["Clara", "Tomas", "Ines", "Viktor", "Lena", "Omar", "Priya", "Jonas", "Aiko", "Rafael", "Sofia",
@@ -116,11 +116,17 @@ def greedy(engine: Engine, result, n_prompt: int, tokens: int) -> list[int]:
     return out
 
 
-def run_mode(reuse: ChunkReuse, parts, mode: str, ratio: float | None = None):
+def run_mode(reuse: ChunkReuse, parts, mode: str, ratio: float | None = None, clock: Clock | None = None):
+    """One prefill and its first token; `clock` (started here) splits the time into parts."""
     t0 = time.perf_counter()
-    r = reuse.plan(parts, mode=mode, ratio=ratio, store=False)
+    if clock is not None:
+        clock.t = t0
+    r = reuse.plan(parts, mode=mode, ratio=ratio, store=False, clock=clock)
     int(r.last_logits.argmax())  # the first token is sampled here
-    return r, time.perf_counter() - t0
+    if clock is None:
+        return r, time.perf_counter() - t0
+    clock.lap("logits")
+    return r, clock.t - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"tokens": n}
             results = {}
             for mode in ("full", "reuse", "blend"):
-                r, dt = run_mode(reuse, parts, mode)
+                clock = Clock(engine.device.type == "cuda") if mode == "blend" else None
+                r, dt = run_mode(reuse, parts, mode, clock=clock)
+                if clock is not None:
+                    row["breakdown"] = clock.parts
                 results[mode] = r
                 row[f"{mode}_ttft_s"] = dt
                 row[f"{mode}_answer"] = greedy(engine, r, n, args.answer_tokens)
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             b = results["blend"]
             row["recompute_ratio"] = (b.recomputed + b.prefilled) / n
             rows.append(row)
+            log("    blend parts: " + "  ".join(f"{k} {v:.3f}s" for k, v in row["breakdown"].items()))
             log(f"[{i + 1}/{len(prompts)}] {n} tok  full {row['full_ttft_s']:.2f}s  reuse {row['reuse_ttft_s']:.2f}s "
                 f"blend {row['blend_ttft_s']:.2f}s  kl reuse {row['reuse_kl']:.3f} blend {row['blend_kl']:.3f}  "
                 f"answer: {engine.decode(row['full_answer'])!r} / {engine.decode(row['blend_answer'])!r}")
@@ -207,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             "blend_answer_match": mean("blend_match"),
             "reuse_answer_match": mean("reuse_match"),
             "recompute_ratio": mean("recompute_ratio"),
+            # seconds per part of the blend's TTFT (fuser.Clock: the parts tile it)
+            "blend_breakdown_s": {p: statistics.fmean(r["breakdown"].get(p, 0.0) for r in rows) for p in Clock.PARTS},
             "ratio": reuse.ratio,
             "metric": reuse.metric,
             "check_layer": resolve_check_layer(reuse.metric, reuse.check_layer),

@@ -38,6 +38,7 @@ every token runs every layer, in the same calls `full` makes, so the logits are 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,31 @@ class Fused:
     ran: torch.Tensor  # bool [T]: tokens computed at every layer (recomputed or prefilled)
     new_k_raw: torch.Tensor | None  # [L, n_new, KV, hd]: K before RoPE of the uncached tokens
     new_idx: torch.Tensor  # their positions
+
+
+class Clock:
+    """Seconds per part of one prefill, lap by lap: `lap(part)` charges the time since the
+    previous lap to `part`, so the parts tile the measured span with nothing counted twice
+    (what `agentmem bench blend` prints as `blend_breakdown_s`). On CUDA each lap waits for
+    the device first. Pass `None` where no breakdown is wanted: `lap` is then never called."""
+
+    PARTS = ("lookup", "place", "probe", "select", "drift", "layers", "attention", "logits", "finish")
+
+    def __init__(self, cuda: bool = False):
+        self.parts: dict[str, float] = {}
+        self.cuda = cuda
+        self.t = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self.t
+        self.t = now
+
+
+def _no_lap(part: str) -> None:
+    pass
 
 
 def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -364,12 +390,14 @@ def fuse(
     metric: str = "auto",
     keep_raw: bool = False,
     drift: float = 0.0,
+    clock: Clock | None = None,
 ) -> Fused:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     check_blend_settings(metric, check_layer, drift, model.args.n_layers)
+    lap = clock.lap if clock is not None else _no_lap
     a = model.args
     dev = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
@@ -391,6 +419,7 @@ def fuse(
             prefix = p.start + p.n
         else:
             cached[sl] = True
+    lap("place")
     if prefix >= n_tok:  # the last token must run to give logits
         prefix = n_tok - 1
         cached[prefix:] = False
@@ -411,7 +440,9 @@ def fuse(
     ids_t = torch.tensor(ids, device=dev)
     picked: list[torch.Tensor] = []
     drift_share = min(drift, ratio)  # the drift samples count inside the recompute budget
+    lap("select")
     drifts = _Drift.sample(pieces, drift_share, n_tok, dev) if check is not None and drift_share > 0 else None
+    lap("drift")
     unsel: torch.Tensor | None = None  # cached positions not recomputed, once the selection is made
 
     def select() -> tuple[torch.Tensor, int | None, torch.Tensor]:
@@ -426,6 +457,7 @@ def fuse(
     if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
         tail = torch.unique(torch.cat([new_idx, last]))
         share = _probe(model, model.embed_tokens(ids_t[tail]), tail, k_all, v_all, 0)
+        lap("probe")
         picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
         rows, start, unsel = select()
     h = model.embed_tokens(ids_t[rows])
@@ -441,9 +473,11 @@ def fuse(
                                             else RowAttention(rows, n_tok, group, dtype, window=a.sliding_window))
 
     cos_sin, row_attn = row_tables(rows, start)
+    lap("select")
     for i, layer in enumerate(model.layers):
         def attn(idx, q, k_raw, k_rot, v, rows=rows, start=start, row_attn=row_attn, new_rows=new_rows,
                  unsel=unsel):
+            lap("layers")
             k_l, v_l = k_all[idx], v_all[idx]
             if idx == check and metric != "query":
                 crow = torch.searchsorted(rows, cached_idx)
@@ -454,8 +488,10 @@ def fuse(
                     share = _attention_share(q[new_rows], k_now, pos[new_idx], a.sliding_window)[cached_idx]
                     d = share if metric == "attn" else d * share
                 picked.append(_pick(cached_idx, d, ratio, drifts))
+                lap("select")
             if drifts is not None and unsel is not None and len(unsel):
                 drifts.apply(idx, k_raw, v, k_l, v_l)
+                lap("drift")
             if start is not None:
                 k_l[start:] = k_rot
                 v_l[start:] = v
@@ -465,13 +501,18 @@ def fuse(
             if new_k_raw is not None:
                 new_k_raw[idx] = k_raw[new_rows]
             if start is not None:
-                return attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start, a.sliding_window)
-            return row_attn(q, k_l, v_l)
+                out = attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start, a.sliding_window)
+            else:
+                out = row_attn(q, k_l, v_l)
+            lap("attention")
+            return out
 
         h = layer(h, rows, model.rotary, attn, cos_sin)
+        lap("layers")
         if i == check and metric == "query":
             tail = torch.unique(torch.cat([new_idx, last]))
             share = _probe(model, h[torch.searchsorted(rows, tail)], tail, k_all, v_all, i + 1)
+            lap("probe")
             picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
         if i == check and i + 1 < a.n_layers:
             sel, start, unsel = select()  # everything picked: the contiguous path again
@@ -479,6 +520,9 @@ def fuse(
             rows = sel
             new_rows = torch.searchsorted(rows, new_idx)
             cos_sin, row_attn = row_tables(rows, start)
+            lap("select")
     ran = torch.zeros(n_tok, dtype=torch.bool, device=dev)
     ran[rows] = True
-    return Fused(k_all, v_all, model.logits(h[-1:])[0], ran, new_k_raw, new_idx)
+    logits = model.logits(h[-1:])[0]
+    lap("logits")
+    return Fused(k_all, v_all, logits, ran, new_k_raw, new_idx)

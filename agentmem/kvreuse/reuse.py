@@ -17,7 +17,7 @@ import torch
 
 from ..config import Config
 from ..engine.engine import Engine, PrefillResult, Segment
-from .fuser import MODES, Fused, Piece, check_blend_settings, fuse
+from .fuser import MODES, Clock, Fused, Piece, check_blend_settings, fuse
 from .identity import ROOT_CONTEXT, chunk_key, next_context
 from .store import ChunkKV, ChunkStore
 
@@ -70,10 +70,12 @@ class ChunkReuse:
         mode: str | None = None,
         ratio: float | None = None,
         store: bool = True,
+        clock: Clock | None = None,
     ) -> PrefillResult:
         """Prefill tokenized segments (as `Engine.tokenize_prompt` gives them). `mode` and
         `ratio` override the configured ones (the benchmark compares modes this way);
-        `store=False` leaves the store as it was (no new entries, no counters)."""
+        `store=False` leaves the store as it was (no new entries, no counters); `clock`
+        collects seconds per part (see `fuser.Clock`)."""
         mode = mode or self.mode
         ratio = self.ratio if ratio is None else ratio
         ids = [t for p in parts for t in p[0]]
@@ -95,8 +97,10 @@ class ChunkReuse:
                        else "blended" if kv is not None else "prefilled")
             context = next_context(context, seg_ids)
             start += n
+        if clock is not None:
+            clock.lap("lookup")
         fused = fuse(self.engine.model, ids, pieces, mode, ratio, self.check_layer, self.metric,
-                     keep_raw=store and mode != "full", drift=self.drift)
+                     keep_raw=store and mode != "full", drift=self.drift, clock=clock)
         ran = fused.ran.tolist()
         segments, reused, recomputed, prefilled = [], 0, 0, 0
         for (_, _, seg), p, h in zip(parts, pieces, how, strict=True):
@@ -111,8 +115,11 @@ class ChunkReuse:
             segments.append(info | {"tier": seg.tier, "ref": seg.ref})
         if store and mode != "full":
             self._store_new(parts, pieces, keys, fused)
-        return PrefillResult(list(fused.k.unbind(0)), list(fused.v.unbind(0)), fused.last_logits,
-                             reused=reused, recomputed=recomputed, prefilled=prefilled, segments=segments)
+        result = PrefillResult(list(fused.k.unbind(0)), list(fused.v.unbind(0)), fused.last_logits,
+                               reused=reused, recomputed=recomputed, prefilled=prefilled, segments=segments)
+        if clock is not None:
+            clock.lap("finish")
+        return result
 
     def _store_new(self, parts, pieces: list[Piece], keys, fused: Fused) -> None:
         offset = 0  # into fused.new_k_raw: uncached tokens in prompt order
