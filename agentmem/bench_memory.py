@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,13 @@ class Question:
     old_answer: str | None
     evidence: int  # index into the user's history of the message that holds the answer
     evidence_id: int = 0  # its archive id, once imported
+
+    def answered_by(self, reply: str) -> bool:
+        """Whether `reply` names the current value as a word, in the singular or plural
+        ("peanut" for "peanuts", "Subaru's"); a value inside another word ("pilot" in
+        "autopilot") does not count."""
+        stem = self.answer.lower().removesuffix("s")
+        return re.search(rf"\b{re.escape(stem)}(s|es|'s)?\b", reply.lower()) is not None
 
 
 @dataclass
@@ -183,7 +191,7 @@ def run_memory(store, engine, config, workload: list[UserHistory], tenant_id: st
             refs = {seg["ref"] for seg in tr.segments}
             evidence = f"message:{q.evidence_id}" in refs or any(
                 q.evidence_id in m["source_ids"] and q.answer.lower() in m["text"].lower() for m in tr.memories_used)
-            out.append(Outcome(q.answer.lower() in reply.lower(), evidence, tr.stats.prompt_tokens, dt, reply, found))
+            out.append(Outcome(q.answered_by(reply), evidence, tr.stats.prompt_tokens, dt, reply, found))
             print(f"  memory {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} ev={evidence} "
                   f"{tr.stats.prompt_tokens} tok {dt:.2f}s {reply[:60]!r}", file=sys.stderr)
     return out
@@ -210,7 +218,7 @@ def run_full_context(engine, workload: list[UserHistory], window: int, max_token
             t0 = time.perf_counter()
             g = engine.generate("".join(kept + tail), max_tokens=max_tokens, temperature=0.0)
             dt = time.perf_counter() - t0
-            out.append(Outcome(q.answer.lower() in g.text.lower(), q.evidence >= first_kept,
+            out.append(Outcome(q.answered_by(g.text), q.evidence >= first_kept,
                                g.stats.prompt_tokens, dt, g.text))
             print(f"  full {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} {g.stats.prompt_tokens} tok "
                   f"{dt:.2f}s {g.text[:60]!r}", file=sys.stderr)
@@ -316,7 +324,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--turns", type=int, default=300, help="messages of history per user")
     ap.add_argument("--sessions", type=int, default=4, help="past sessions per user")
     ap.add_argument("--change-frac", type=float, default=0.4, help="share of changeable facts changed later")
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=64,
+                    help="reply length; short enough to be quick, long enough not to cut an answer's sentence")
     ap.add_argument("--window", type=int, default=None, help="full-context baseline window (default: the model's)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the full-context baseline")
     ap.add_argument("--dtype", default="auto")

@@ -82,7 +82,7 @@ def run_questions(engine, store, config, sampling: dict, workload, max_tokens: i
         for i, q in enumerate(h.questions):
             reply = s.chat(q.text, max_tokens=max_tokens, seed=i, **sampling)
             replies.append((reply, s.last_turn.stats.finish_reason))
-            correct.append(q.answer.lower() in reply.lower())
+            correct.append(q.answered_by(reply))
             print(f"  ask {h.user} {q.key}: {'ok ' if correct[-1] else 'bad'} {reply[:60]!r}", file=sys.stderr)
         sessions.append(replies)
     return sessions, correct

@@ -44,6 +44,17 @@ def test_a_looping_reply_is_stored_once_flagged_and_ranked_lower(session, engine
     assert flagged == pytest.approx(0.5 * plain)
 
 
+def test_memory_answers_are_judged_by_the_value_as_a_word():
+    from agentmem.bench_memory import Question
+
+    q = Question("u", "allergy", "Which substance gives me a bad reaction?", "peanuts", None, 0)
+    assert q.answered_by("You are allergic to peanuts.") and q.answered_by("A peanut allergy, I believe.")
+    assert not q.answered_by("You mentioned peanutbutter cookies.") and not q.answered_by("Shellfish.")
+    job = Question("u", "job", "What do I do for a living?", "pilot", "nurse", 0)
+    assert job.answered_by("You're a Pilot now.") and not job.answered_by("You set the autopilot.")
+    assert not job.answered_by("You work as a nurse.")
+
+
 def test_copy_metric():
     assert copies_earlier("Your dog is called Biscuit.", ["Your dog is called Biscuit!"])
     assert copies_earlier("I live in Oslo and I like the sea a lot.", ["Hi. I live in Oslo and I like the sea a lot."])

@@ -165,7 +165,7 @@ def test_batched_sequences_with_their_own_settings_equal_each_alone(engine):
 
 def test_sampling_defaults_come_from_the_card_then_the_config_then_settings(tmp_path):
     assert sampling_defaults(None, "SmolLM2-135M-Instruct-Q4_1", Config()) == {
-        "temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.3}
+        "temperature": 0.2, "top_p": 0.9, "frequency_penalty": 0.3, "presence_penalty": 0.3}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20,
                                                                 "repetition_penalty": 1.05}))
     got = sampling_defaults(tmp_path, "SmolLM2-x", Config(sample_top_p=0.5, sample_presence_penalty=0.1))

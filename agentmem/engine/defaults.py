@@ -4,7 +4,7 @@ In order, later wins: the model card's recommendation (for models whose
 generation_config.json carries none: SmolLM2's card says temperature 0.2, top-p 0.9; the
 config dequantized from its GGUF has only token ids), the checkpoint's
 generation_config.json, then the `AGENTMEM_SAMPLE_*` settings. Where card and config say
-nothing about repetition, a mild penalty (REPETITION_FALLBACK) is added. Greedy decoding is what
+nothing about repetition, mild penalties (REPETITION_FALLBACK) are added. Greedy decoding is what
 made the default model loop on its first reply in the REPL, so nothing here defaults to it.
 """
 
@@ -19,9 +19,11 @@ from ..config import Config
 MODEL_CARD: dict[str, dict] = {
     "SmolLM2": {"temperature": 0.2, "top_p": 0.9},
 }
-# where neither the card nor the config says anything about repetition: with the card's
-# sampling alone the default model looped on 2 of 18 replies of `bench replies` (0 with these)
-REPETITION_FALLBACK = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.3}
+# where neither the card nor the config says anything about repetition: OpenAI's penalties,
+# which count the reply's own tokens. Not the repetition penalty: CTRL's counts the prompt's
+# tokens too, so it pushes down the very words an answer from memory has to quote (on
+# `bench memory` 1.1 took answer accuracy from 0.47 to 0.27; docs/replies.md).
+REPETITION_FALLBACK = {"frequency_penalty": 0.3, "presence_penalty": 0.3}
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -33,7 +35,7 @@ def sampling_defaults(model_dir: Path | None, model_id: str, config: Config) -> 
         if model_id.startswith(prefix):
             out.update(rec)
     out.update(_generation_config(model_dir))
-    if not set(REPETITION_FALLBACK) & set(out):
+    if not {"repetition_penalty", "frequency_penalty", "presence_penalty"} & set(out):
         out.update(REPETITION_FALLBACK)
     for name in _SETTINGS:
         value = getattr(config, f"sample_{name}")

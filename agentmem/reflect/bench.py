@@ -57,7 +57,7 @@ def ask_all(store, engine, config, workload, tenant_id: str, max_tokens: int, la
             recall = [seg for seg in tr.segments if seg["tier"] == "recall" and seg["ref"] != "recall:header"]
             mem = sum(seg["tokens"] for seg in recall)
             content = sum(engine.count_tokens(_content(seg["text"])) for seg in recall)
-            out.append(Asked(q.answer.lower() in reply.lower(), evidence, q.old_answer is not None, mem, content))
+            out.append(Asked(q.answered_by(reply), evidence, q.old_answer is not None, mem, content))
             print(f"  {label} {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} ev={evidence} mem={mem} "
                   f"{reply[:50]!r}", file=sys.stderr)
     return out
