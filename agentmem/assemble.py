@@ -1,8 +1,9 @@
 """Prompt assembly: the working context and recalled memories, as ordered `Segment`s.
 
 Order: one system message holding the persona, the core blocks and the running summary,
-then the recent turns, then the new user turn: the recalled memories as notes, followed by
-the question, then the generation prefix. Measured on `agentmem bench memory`, SmolLM2-135M
+then the recent turns (only when the session's earlier replies are in the prompt; otherwise
+recent messages are recalled like older ones), then the new user turn: the recalled
+memories as notes, followed by the question, then the generation prefix. Measured on `agentmem bench memory`, SmolLM2-135M
 answers from notes placed right before the question far more often than from notes in the
 system message, where it rather copies its own previous answer; and everything before the
 notes is a prefix that stays the same from turn to turn, so its KV is reused exactly.

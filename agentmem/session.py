@@ -163,10 +163,16 @@ class AgentSession:
         fixed = sum(s.tokens for s in self.assembler.fixed(blocks, text))
         summary_tokens = self.engine.count_tokens(working.summary) if working.summary else 0
         evicted = working.fit(fixed + summary_tokens + int(RECALL_SHARE * self.config.context_budget), keep_last=0)
+        # With the earlier replies in the prompt, the recent turns are chat turns and recall
+        # skips them. Without (the default), the user's side alone would be a run of turns
+        # nobody answered, which the small model reads as questions still open (it answered
+        # the previous one: "your sister is called ..." when asked for the dog); so recent
+        # messages compete in recall like older ones and come in as notes when relevant
+        # (`bench memory` on 30 questions: 0.37 -> 0.47 answered).
+        recent = list(working.queue) if self.config.prompt_replies else []
         hits = self.store.search(self.tenant_id, self.user_id, text, k=self.config.recall_k,
-                                 exclude_messages={m.id for m in working.queue} | set(exclude))
+                                 exclude_messages={m.id for m in recent} | set(exclude))
         memories = self.assembler.select_memories(hits)
-        recent = [m for m in working.queue if self.config.prompt_replies or m.role != "assistant"]
         ctx = self.assembler.build(blocks, working.summary, memories, recent, text, namespace=self.tenant_id)
         return ctx, [m.id for m in evicted]
 

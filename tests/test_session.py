@@ -83,6 +83,21 @@ def test_memory_segments_are_stable_and_ordered(make):
     assert tiers.index("recall") < tiers.index("user") < tiers.index("generation")
 
 
+def test_recent_turns_without_their_replies_are_recalled_not_replayed(make):
+    s = make()
+    s.add_messages([{"role": "user", "content": "My name is Bob."}, {"role": "assistant", "content": "Hi Bob!"},
+                    {"role": "user", "content": "Tell me about tide pools."}])
+    ctx = s.context("What is my name?")
+    assert not [x for x in ctx.segments if x.tier == "turn"]  # no run of unanswered user turns
+    notes = [x.text for x in ctx.segments if x.tier == "recall"]
+    assert any('I said: "My name is Bob."' in t for t in notes) and "Hi Bob!" not in "".join(notes)
+    s.config = s.config.model_copy(update={"prompt_replies": True})  # replies in: the turns are chat turns
+    ctx = s.context("What is my name?")
+    assert [x.text for x in ctx.segments if x.tier == "turn"][:2] == [
+        s.engine.format_message("user", "My name is Bob."), s.engine.format_message("assistant", "Hi Bob!")]
+    assert not [x for x in ctx.segments if x.tier == "recall" and "Bob" in x.text]  # not twice
+
+
 def test_eviction_folds_old_turns_into_the_summary(make):
     s = make(budget=600)
     msgs = [{"role": "user", "content": f"Note {i}: the meeting about topic {i} moved to room {100 + i}."}
