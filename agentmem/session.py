@@ -168,7 +168,7 @@ class AgentSession:
         # nobody answered, which the small model reads as questions still open (it answered
         # the previous one: "your sister is called ..." when asked for the dog); so recent
         # messages compete in recall like older ones and come in as notes when relevant
-        # (`bench memory` on 30 questions: 0.37 -> 0.47 answered).
+        # (docs/replies.md, "Answering from memory").
         recent = list(working.queue) if self.config.prompt_replies else []
         hits = self.store.search(self.tenant_id, self.user_id, text, k=self.config.recall_k,
                                  exclude_messages={m.id for m in recent} | set(exclude))

@@ -21,8 +21,8 @@ MODEL_CARD: dict[str, dict] = {
 }
 # where neither the card nor the config says anything about repetition: OpenAI's penalties,
 # which count the reply's own tokens. Not the repetition penalty: CTRL's counts the prompt's
-# tokens too, so it pushes down the very words an answer from memory has to quote (on
-# `bench memory` 1.1 took answer accuracy from 0.47 to 0.27; docs/replies.md).
+# tokens too, so it pushes down the very words an answer from memory has to quote (the name,
+# the city in a recalled line); docs/replies.md has what it measured.
 REPETITION_FALLBACK = {"frequency_penalty": 0.3, "presence_penalty": 0.3}
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
