@@ -63,7 +63,7 @@ def test_sampling_is_the_models_defaults_spelled_out(engine, kind, penalty, top_
     sent = server.completions[-1]
     d = engine.sampling_defaults
     assert sent["temperature"] == d["temperature"] and sent["top_p"] == d["top_p"] and sent["seed"] == 7
-    assert sent[penalty] == d["repetition_penalty"]
+    assert sent[penalty] == d.get("repetition_penalty", 1.0)  # none by default: sent as 1.0, off
     assert sent["frequency_penalty"] == d["frequency_penalty"] and sent["presence_penalty"] == d["presence_penalty"]
     # off is sent as off: a server's own defaults (llama-cpp-python: top-k 40, min-p 0.05) never apply
     assert sent["top_k"] == top_k_off and sent["min_p"] == 0.0
