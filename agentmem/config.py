@@ -35,6 +35,8 @@ class Config(BaseSettings):
     model_path: Path | None = None
     cache_dir: Path = _user_cache()
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # the projections' weight format: auto (the fastest measured here, engine/linear.py) | bf16 | fp32 | int8 | int4
+    weights: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     kv_block_size: int = 16
     kv_pool_tokens: int = 32768  # capacity of the paged KV pool, in tokens

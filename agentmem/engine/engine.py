@@ -23,8 +23,9 @@ from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
 from .kernels.reference import sdpa
 from .layers import visible
+from .linear import resolve_weights
 from .loop import EngineLoop
-from .model import Transformer, load_transformer
+from .model import ModelArgs, Transformer, load_transformer
 from .sampler import SamplingParams
 from .sequence import Sequence
 from .tokenizer import ChatFormat, chat_format, load_tokenizer, stop_ids
@@ -191,6 +192,7 @@ class Engine(ChatText):
         self.model_id = model_id
         self.device = device
         self.dtype = model.embed_tokens.weight.dtype
+        self.weights = model.weights  # the projections' format (linear.WEIGHT_FORMATS)
         self.config = config
         self.chat: ChatFormat = chat_format(tokenizer)
         self.context_window = min(config.context_window or model.args.max_seq_len, model.args.max_seq_len)
@@ -213,9 +215,13 @@ class Engine(ChatText):
         if config.threads:
             torch.set_num_threads(config.threads)
         device = pick_device(config.device)
-        dtype = pick_dtype(config.dtype, device)
+        dense = {"bf16": "bfloat16", "fp32": "float32"}
+        dtype = pick_dtype(dense.get(config.weights, "auto") if config.dtype == "auto" else config.dtype, device)
         path = resolve_model_dir(config.model_path, config.cache_dir)
-        model = load_transformer(path, dtype, device)
+        a = ModelArgs.from_hf_config(path)
+        weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, (2 * a.hidden_dim, a.dim),
+                                  config.cache_dir)
+        model = load_transformer(path, dtype, device, weights)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
         engine = cls(model, load_tokenizer(path), model_id, device, config, path)
         if config.kv_mode != "full":

@@ -1,5 +1,5 @@
 """The layers every model family shares: RMSNorm, RoPE (with the scalings HF defines for these
-families), the few-row projection, and the attention-visibility rule.
+families), and the attention-visibility rule.
 
 RoPE lives here once: the model's forward rotates q and k with it, and the kvreuse fuser
 re-rotates cached pre-RoPE keys to their new positions with the same tables, so a chunk is
@@ -107,21 +107,3 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None)
 
 # attn(layer_idx, q_rot [N,H,hd], k_raw [N,KV,hd], k_rot [N,KV,hd], v [N,KV,hd]) -> [N,H,hd]
 AttnBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# Up to this many rows the product with the weight stored transposed ([in, out]) is faster
-# with MKL on the CPU: ~1.5-2x for one row (decode), 5-20% for 24-320 rows (the blend
-# probe's question rows, a blend's recomputed rows), while at 2k rows (a full prefill) the
-# [out, in] layout is ~3% ahead (interleaved A/B, 2-core AMD EPYC, qkv and gate/up shapes).
-# The 49k-wide LM head differs: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
-TRANSPOSED_MAX_ROWS = 512
-LM_HEAD_TRANSPOSED_MAX_ROWS = 2
-
-
-def project(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor | None, max_rows: int = TRANSPOSED_MAX_ROWS,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias), with `w_t` (w transposed, contiguous; kept on the CPU for the wide
-    projections) for up to `max_rows` rows."""
-    if w_t is not None and x.shape[0] <= max_rows:
-        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
-    return F.linear(x, w, bias)

@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import LM_HEAD_TRANSPOSED_MAX_ROWS, AttnBackend, RMSNorm, Rotary, project
+from .layers import AttnBackend, RMSNorm, Rotary
+from .linear import Proj
+
+# The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
+LM_HEAD_TRANSPOSED_MAX_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,11 @@ class Block(nn.Module):
         self.input_norm = RMSNorm(args.dim, args.norm_eps)
         self.post_norm = RMSNorm(args.dim, args.norm_eps)
         self.bqkv: torch.Tensor | None = None  # the q/k/v biases side by side (Qwen2)
-        self.wqkv_t: torch.Tensor | None = None  # transposed copies for few-row products (see `project`)
-        self.w_gate_up_t: torch.Tensor | None = None
+        # the projections as multiplied (linear.Proj), set by `pack` after loading
+        self.qkv_p: Proj | None = None
+        self.o_p: Proj | None = None
+        self.gate_up_p: Proj | None = None
+        self.down_p: Proj | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v and gate/up weights so each is one matmul; the per-projection
@@ -88,11 +95,19 @@ class Block(nn.Module):
         for lin, w in zip((self.gate_proj, self.up_proj), self.w_gate_up.chunk(2), strict=True):
             lin.weight = nn.Parameter(w, requires_grad=False)
 
+    def pack(self, fmt: str) -> None:
+        """Hold the fused projections in weight format `fmt` (linear.WEIGHT_FORMATS). o and
+        down keep no transposed fp32 copy: only the wide qkv and gate/up were measured faster."""
+        self.qkv_p = Proj(self.wqkv, self.bqkv, fmt)
+        self.o_p = Proj(self.o_proj.weight, self.o_proj.bias, fmt, transposed_max_rows=0)
+        self.gate_up_p = Proj(self.w_gate_up, None, fmt)
+        self.down_p = Proj(self.down_proj.weight, None, fmt, transposed_max_rows=0)
+
     def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:
         """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]
         (q and k normalised per head first where the family has q/k norms)."""
         a = self.args
-        x = project(self.input_norm(h), self.wqkv, self.wqkv_t, bias=self.bqkv)
+        x = self.qkv_p(self.input_norm(h))
         x = x.view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
         if self.q_norm is None:
             return x
@@ -106,9 +121,9 @@ class Block(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
-        h = h + F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
-        gate, up = project(self.post_norm(h), self.w_gate_up, self.w_gate_up_t).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_proj.weight)
+        h = h + self.o_p(attn_out.reshape(attn_out.shape[0], -1))
+        gate, up = self.gate_up_p(self.post_norm(h)).chunk(2, dim=-1)
+        return h + self.down_p(F.silu(gate) * up)
 
     def forward(
         self,
@@ -136,15 +151,16 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len, args.rope_scaling)
-        self.lm_head_t: torch.Tensor | None = None
+        self.head_p: Proj | None = None
+        self.weights = "fp32"
 
-    def keep_transposed(self) -> None:
-        """Keep [in, out] copies of the wide weights (qkv, gate/up, LM head) for decode and
-        other few-row products on the CPU (see `project`), for ~80% more weight memory."""
+    def pack(self, fmt: str) -> None:
+        """Put every projection and the LM head in weight format `fmt` (see linear.py). The
+        dense nn.Linear weights stay: the quality checks and the planners read them."""
         for layer in self.layers:
-            layer.wqkv_t = layer.wqkv.t().contiguous()
-            layer.w_gate_up_t = layer.w_gate_up.t().contiguous()
-        self.lm_head_t = self.lm_head.weight.t().contiguous()
+            layer.pack(fmt)
+        self.head_p = Proj(self.lm_head.weight, None, fmt, LM_HEAD_TRANSPOSED_MAX_ROWS)
+        self.weights = fmt
 
     def forward(
         self,
@@ -164,7 +180,7 @@ class Transformer(nn.Module):
         return self.logits(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return project(self.norm(h), self.lm_head.weight, self.lm_head_t, LM_HEAD_TRANSPOSED_MAX_ROWS).float()
+        return self.head_p(self.norm(h)).float()
 
 
 _HF_NAMES = {
@@ -195,8 +211,10 @@ def _rename(hf_name: str) -> str | None:
     return None
 
 
-def load_transformer(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
-    """Build the model from an HF checkpoint directory (safetensors, HF tensor names)."""
+def load_transformer(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+                     weights: str | None = None) -> Transformer:
+    """Build the model from an HF checkpoint directory (safetensors, HF tensor names), its
+    projections in weight format `weights` (default: dense in `dtype`)."""
     from safetensors.torch import load_file
 
     args = ModelArgs.from_hf_config(path)
@@ -223,6 +241,5 @@ def load_transformer(path: Path, dtype: torch.dtype, device: torch.device | str 
     model.rotary.to(device)
     for layer in model.layers:
         layer.fuse()
-    if torch.device(device).type == "cpu":
-        model.keep_transposed()
+    model.pack(weights or ("bf16" if dtype == torch.bfloat16 else "fp32"))
     return model.eval().requires_grad_(False)

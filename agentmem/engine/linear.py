@@ -1,0 +1,182 @@
+"""A projection's weight in the form this machine multiplies fastest, and the choice of form.
+
+`AGENTMEM_WEIGHTS` names the format of every projection weight (q/k/v, o, gate/up, down and
+the LM head); norms, embeddings, attention and the KV cache stay in the engine dtype:
+
+- `fp32` / `bf16`: dense. On a CPU with native bf16 (AVX512-BF16/AMX) a bf16 weight is
+  packed once into oneDNN's blocked layout: one decode row then runs 2-3x faster than
+  `F.linear` on the plain weight (which repacks it at every call), and a 2k-row prefill is no
+  slower. fp32 keeps a transposed copy for few-row products (see `Proj`).
+- `int8`: weight-only int8, one scale per output channel (symmetric), activations in the
+  engine dtype (`_weight_int8pack_mm`): half the bytes of bf16 per decode step. (fbgemm's
+  int8 x int8 product, which also quantizes each activation row, ran 2x faster per row but
+  raised SmolLM2's perplexity by 15%: the activations have outlier channels.)
+- `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
+  offset (`_weight_int4pack_mm_for_cpu`), activations in bf16/fp32.
+
+`auto` (the default) takes, per machine, the fastest measured format of those whose quality
+the benchmark accepted: fp32 or bf16 (the engine dtype) and int8. The timing is a one-row
+product of the model's widest projection in each format, done once and cached under the cache
+dir, keyed by the CPU flags and the torch version. An explicit `--dtype float32` (the
+exactness the tests need) keeps dense fp32 weights under `auto`.
+
+int8 and int4 are CPU formats; on CUDA they are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+_DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+INT4_GROUP = 32
+
+# Up to this many rows the product with the weight stored transposed ([in, out]) is faster
+# with MKL on the CPU in fp32: ~1.5-2x for one row (decode), 5-20% for 24-320 rows (the blend
+# probe's question rows, a blend's recomputed rows), while at 2k rows (a full prefill) the
+# [out, in] layout is ~3% ahead (interleaved A/B, 2-core AMD EPYC, qkv and gate/up shapes).
+TRANSPOSED_MAX_ROWS = 512
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively here (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+class Proj:
+    """x @ w.T (+ bias) for x [N, in] in the dtype of x, with the weight w [out, in] held in
+    format `fmt` (one of WEIGHT_FORMATS). `out_features` and `fmt` say what it is; the tensors
+    it keeps depend on the format and the device."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None, fmt: str | None = None,
+                 transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
+        self.out_features, self.in_features = w.shape
+        self.fmt = fmt or {torch.bfloat16: "bf16"}.get(w.dtype, "fp32")
+        self.bias = bias
+        self.max_rows = transposed_max_rows
+        self.w: torch.Tensor | None = None
+        self.w_t: torch.Tensor | None = None
+        self.packed = None
+        cpu = w.device.type == "cpu"
+        if self.fmt in ("int8", "int4") and not cpu:
+            raise ValueError(f"weights {self.fmt!r} run on the CPU only; on {w.device.type} use bf16 or fp32")
+        if self.fmt == "int8":
+            wf = w.float()
+            self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
+            self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        elif self.fmt == "int4":
+            self.packed, self.scales_zeros = _int4_pack(w)
+        elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        else:
+            self.w = w
+            if cpu and transposed_max_rows > 0:
+                self.w_t = w.t().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
+            return out if self.bias is None else out + self.bias
+        if self.fmt == "int4":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
+                                                             self.scales_zeros.to(x.dtype))
+            return out if self.bias is None else out + self.bias
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if self.w_t is not None and x.shape[0] <= self.max_rows:
+            return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
+        return F.linear(x, self.w, self.bias)
+
+
+def _int4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of INT4_GROUP inputs: w ~ (q - 8) * scale + zero, q in 0..15."""
+    out_f, in_f = w.shape
+    if in_f % INT4_GROUP:
+        raise ValueError(f"int4 needs the input width ({in_f}) to be a multiple of {INT4_GROUP}")
+    g = w.float().view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = lo + 8 * scale
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(out_f, in_f)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in/g, out, 2]
+    return packed, scales_zeros
+
+
+def dense(p: Proj) -> torch.Tensor:
+    """The weight [out, in] this projection multiplies by, as a dense tensor of x's dtype for
+    fp32/bf16 and dequantized (fp32) otherwise: what the quality checks compare."""
+    eye = torch.eye(p.in_features, dtype=torch.float32 if p.fmt in ("fp32", "int8") else torch.bfloat16)
+    bias, p.bias = p.bias, None
+    try:
+        return p(eye).float().t().contiguous()
+    finally:
+        p.bias = bias
+
+
+# --- the choice -----------------------------------------------------------------------------
+def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device: torch.device,
+                    shape: tuple[int, int], cache_dir: Path) -> str:
+    """The weight format for `AGENTMEM_WEIGHTS=name` with engine dtype `dtype`."""
+    own = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if name != "auto":
+        if name not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be auto or one of {', '.join(WEIGHT_FORMATS)}, got {name!r}")
+        if name in _DENSE and _DENSE[name] != dtype and dtype_explicit:
+            raise ValueError(f"weights {name!r} contradict dtype {str(dtype).removeprefix('torch.')}: "
+                             "leave one of them auto")
+        return name
+    if device.type != "cpu" or (dtype_explicit and dtype == torch.float32) or dtype == torch.float16:
+        return own
+    return fastest(own, shape, cache_dir)
+
+
+def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
+    """`own` or int8, whichever runs a one-row product of `shape` [out, in] faster here;
+    measured once per (CPU flags, torch, shape) and remembered in `cache_dir`."""
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    key = f"{torch.__version__}|{shape}|{own}|{' '.join(flags)}"
+    memo = Path(cache_dir).expanduser() / "weights-choice.json"
+    try:
+        saved = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if key in saved:
+        return saved[key]["weights"]
+    times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
+    choice = min(times, key=times.get)
+    saved[key] = {"weights": choice, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()}}
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps(saved, indent=1))
+    except OSError:
+        pass
+    return choice
+
+
+def one_row_seconds(fmt: str, shape: tuple[int, int], repeats: int = 200) -> float:
+    """Best-of-5 mean seconds (process CPU time, robust to a busy machine) of one-row products
+    with a random `shape` weight in format `fmt`."""
+    dtype = torch.bfloat16 if fmt == "bf16" or (fmt != "fp32" and onednn_bf16()) else torch.float32
+    p = Proj(torch.randn(shape).to(dtype), fmt=fmt)
+    x = torch.randn(1, shape[1]).to(dtype)
+    p(x)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(repeats):
+            p(x)
+        best = min(best, (time.process_time() - t0) / repeats)
+    return best

@@ -1,0 +1,93 @@
+"""The engine's fast paths: projection weight formats (linear.py) and the compiled decode step
+(compiled.py), on a tiny Llama checkpoint (test_models' builder) so each load takes a second."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_models import build_tokenizer, hf_config, randomize
+
+from agentmem.config import Config
+from agentmem.engine import Engine
+from agentmem.engine.linear import Proj, dense, fastest, resolve_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from transformers import LlamaForCausalLM
+
+    tok = build_tokenizer("llama3")
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf = LlamaForCausalLM(hf_config("LlamaConfig", len(tok), tok, num_attention_heads=4, num_key_value_heads=2,
+                                    tie_word_embeddings=False))
+    randomize(hf, seed=3)
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def load(path, **kw) -> Engine:
+    return Engine.load(Config(model_path=path, device="cpu", kv_mode="full", **kw))
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("fmt,dtype,rel", [("fp32", torch.float32, 1e-6), ("bf16", torch.bfloat16, 1e-2),
+                                           ("int8", torch.float32, 1.5e-2), ("int8", torch.bfloat16, 2e-2),
+                                           ("int4", torch.bfloat16, 0.12)])
+def test_a_projection_in_each_format_multiplies_within_its_error(fmt, dtype, rel):
+    g = torch.Generator().manual_seed(0)
+    w, b = 0.05 * torch.randn(192, 128, generator=g), torch.randn(192, generator=g)
+    for rows in (1, 7, 600):  # decode, a few rows, past the transposed-copy limit
+        x = torch.randn(rows, 128, generator=g)
+        p = Proj(w.to(dtype), b.to(dtype), fmt)
+        out = p(x.to(dtype))
+        assert out.dtype == dtype and out.shape == (rows, 192)
+        ref = x @ w.t() + b
+        assert (out.float() - ref).norm() / ref.norm() < rel
+    assert (dense(Proj(w.to(dtype), None, fmt)) - w).abs().max() < 10 * rel * w.abs().max()
+
+
+def test_int8_and_int4_weights_load_generate_and_stay_near_fp32(tiny_path):
+    """On random weights a 3-layer model amplifies any rounding (bf16 alone moves the max
+    logit by ~25% of their spread), so each format is held to a bound next to bf16's."""
+    x = ids(200)
+    ref = load(tiny_path, dtype="float32").logits(x)
+    errs = {}
+    for fmt, dtype in (("bf16", "auto"), ("int8", "float32"), ("int4", "bfloat16")):
+        e = load(tiny_path, dtype=dtype, weights=fmt)
+        assert e.weights == fmt and e.model.layers[0].qkv_p.fmt == fmt and e.model.head_p.fmt == fmt
+        lg = e.logits(x)
+        errs[fmt] = (float((lg - ref).abs().max()), float((lg.argmax(-1) == ref.argmax(-1)).float().mean()),
+                     float(torch.corrcoef(torch.stack([lg.flatten(), ref.flatten()]))[0, 1]))
+        assert len(e.generate(x[:20], max_tokens=12, ignore_eos=True).token_ids) == 12
+    assert errs["int8"][0] < 2 * errs["bf16"][0] and errs["int8"][1] >= 0.9 and errs["int8"][2] > 0.999, errs
+    assert errs["int4"][2] > 0.9, errs
+
+
+def test_the_weights_setting_is_checked_and_follows_an_explicit_dtype(tmp_path):
+    cpu = torch.device("cpu")
+    shape = (256, 64)
+    assert resolve_weights("auto", torch.float32, True, cpu, shape, tmp_path) == "fp32"  # exactness asked
+    assert resolve_weights("int8", torch.float32, True, cpu, shape, tmp_path) == "int8"
+    with pytest.raises(ValueError, match="contradict"):
+        resolve_weights("bf16", torch.float32, True, cpu, shape, tmp_path)
+    with pytest.raises(ValueError, match="weights must be"):
+        resolve_weights("int3", torch.float32, False, cpu, shape, tmp_path)
+    with pytest.raises(ValueError, match="CPU only"):
+        Proj(torch.zeros(4, 32, device="meta"), fmt="int8")
+
+
+def test_the_auto_choice_is_measured_once_and_remembered(tmp_path):
+    choice = fastest("fp32", (256, 64), tmp_path)
+    assert choice in ("fp32", "int8")
+    memo = json.loads((tmp_path / "weights-choice.json").read_text())
+    (entry,) = memo.values()
+    assert entry["weights"] == choice and set(entry["one_row_us"]) == {"fp32", "int8"}
+    entry["weights"] = "int8" if choice == "fp32" else "fp32"  # a remembered choice is not re-measured
+    (tmp_path / "weights-choice.json").write_text(json.dumps(memo))
+    assert fastest("fp32", (256, 64), tmp_path) == entry["weights"]
