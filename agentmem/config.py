@@ -37,6 +37,10 @@ class Config(BaseSettings):
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # the projections' weight format: auto (the fastest measured here, engine/linear.py) | bf16 | fp32 | int8 | int4
     weights: str = "auto"
+    # the compiled decode step (engine/compiled.py): auto (on for the CPU) | on | off; compiles
+    # run in the background and one that takes longer than compile_timeout_s leaves decode eager
+    compile: str = "auto"
+    compile_timeout_s: float = 600.0
     device: str = "auto"  # auto | cpu | cuda
     kv_block_size: int = 16
     kv_pool_tokens: int = 32768  # capacity of the paged KV pool, in tokens

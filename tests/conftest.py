@@ -9,6 +9,9 @@ import uuid
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# no background compiles of the decode step behind every test's engine (each model shape and
+# bucket compiles for seconds); test_engine_fast.py turns it on where it is tested
+os.environ.setdefault("AGENTMEM_COMPILE", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

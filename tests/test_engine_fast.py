@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 
 import pytest
 import torch
 from test_models import build_tokenizer, hf_config, randomize
 
 from agentmem.config import Config
-from agentmem.engine import Engine
+from agentmem.engine import Engine, EngineLoop
 from agentmem.engine.linear import Proj, dense, fastest, resolve_weights
 
 
@@ -91,3 +94,56 @@ def test_the_auto_choice_is_measured_once_and_remembered(tmp_path):
     entry["weights"] = "int8" if choice == "fp32" else "fp32"  # a remembered choice is not re-measured
     (tmp_path / "weights-choice.json").write_text(json.dumps(memo))
     assert fastest("fp32", (256, 64), tmp_path) == entry["weights"]
+
+
+def drive(e: Engine, loop: EngineLoop, prompts: list[list[int]], n: int) -> list[list[int]]:
+    streams = [e.stream(p, max_tokens=n, ignore_eos=True, loop=loop) for p in prompts]
+    for s in streams:
+        for _ in s:
+            pass
+    return [s.result.token_ids for s in streams]
+
+
+def test_compiled_decode_gives_the_eager_greedy_tokens(tiny_path):
+    e = load(tiny_path, dtype="float32", compile="on")  # the default cache dir: compiled once per machine
+    loop = EngineLoop(e)
+    compiled = loop.runner.compiled
+    compiled.background = False  # compile at first use, so every decode step below runs compiled
+    one = [ids(30, seed=1)]
+    three = [ids(n, seed=n) for n in (5, 40, 90)]  # 3 rows: a padded bucket of 4
+    got_one, got_three = drive(e, loop, one, 64), drive(e, loop, three, 64)
+    assert compiled.ready == {(1, 256), (4, 256)} and compiled.failed is None
+    assert compiled.compile_s > 0
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(e.config.cache_dir / "inductor")  # not /tmp
+    eager = EngineLoop(e)
+    eager.runner.compiled = None
+    assert got_one == drive(e, eager, one, 64)
+    assert got_three == [drive(e, eager, [p], 64)[0] for p in three]
+
+
+def test_a_compile_failure_falls_back_to_eager_and_says_why(tiny_path, tmp_path, caplog, monkeypatch):
+    e = load(tiny_path, dtype="float32", compile="on", cache_dir=tmp_path)
+    loop = EngineLoop(e)
+    compiled = loop.runner.compiled
+    compiled.background = False
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(compiled, "_fn", broken)
+    with caplog.at_level(logging.WARNING, logger="agentmem.engine"):
+        got = drive(e, loop, [ids(30, seed=1)], 16)
+    assert "no C++ compiler here" in compiled.failed and "decoding eagerly" in caplog.text
+    assert compiled.get(1, 10) is None and not compiled.ready
+    eager = EngineLoop(e)
+    eager.runner.compiled = None
+    assert got == drive(e, eager, [ids(30, seed=1)], 16)
+
+
+def test_a_compile_past_its_time_limit_leaves_decode_eager(tiny_path, tmp_path):
+    e = load(tiny_path, dtype="float32", compile="on", cache_dir=tmp_path, compile_timeout_s=5)
+    compiled = EngineLoop(e).runner.compiled
+    compiled._busy = ((1, 256), time.monotonic() - 6)  # a background compile started 6 s ago
+    assert compiled.get(1, 10) is None
+    assert "took over 5 s" in compiled.failed
+    assert load(tiny_path, dtype="float32", compile="off").loop.runner.compiled is None

@@ -11,12 +11,15 @@ from .model import ModelArgs
 
 class KVPool:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, device, dtype: torch.dtype):
-        shape = (args.n_layers, num_blocks, block_size, args.n_kv_heads, args.head_dim)
+        # one block more than the block manager hands out: the padded rows of a compiled
+        # decode step write there (`scratch_slot`), never read
+        shape = (args.n_layers, num_blocks + 1, block_size, args.n_kv_heads, args.head_dim)
         # torch.empty does not touch the pages, so an idle pool costs address space, not RAM
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_slot = num_blocks * block_size
         self.bytes_per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * self.k.element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -26,10 +26,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # normalised in fp32 and cast back before the weight, as HF does
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # normalised in fp32 and cast back before the weight, as HF does
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -88,12 +92,16 @@ class Rotary:
     ) -> torch.Tensor:
         """x: [..., N, heads, head_dim] (e.g. [N, H, hd], or cached K of every layer
         [L, N, KV, hd]); positions: [N]. Pass `cos_sin` to reuse a lookup."""
-        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
-        hd = x.shape[-1]
-        xf = x if x.dtype == torch.float32 else x.float()
-        swapped = xf.view(*x.shape[:-1], 2, hd // 2).flip(-2).view(x.shape)
-        out = torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :])
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return rotate(x, *(cos_sin if cos_sin is not None else self.cos_sin(positions)))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., N, heads, hd] rotated by the tables of its N positions (`Rotary.cos_sin`)."""
+    hd = x.shape[-1]
+    xf = x if x.dtype == torch.float32 else x.float()
+    swapped = xf.view(*x.shape[:-1], 2, hd // 2).flip(-2).view(x.shape)
+    out = torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :])
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:

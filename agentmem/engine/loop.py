@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .block_manager import BlockManager
+from .compiled import CompiledDecode
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
 from .sampler import penalize, sample_row, top_logprobs
@@ -46,7 +47,7 @@ class EngineLoop:
         self.pool = KVPool(engine.model.args, num_blocks, block_size, engine.device, engine.dtype)
         self.scheduler = Scheduler(self.blocks, max_batch or cfg.max_batch, prefill_chunk or cfg.prefill_chunk,
                                    tenant_cap=cfg.max_batch_per_tenant)
-        self.runner = ModelRunner(engine.model, self.pool, self.blocks, engine.device)
+        self.runner = ModelRunner(engine.model, self.pool, self.blocks, engine.device, compiled_decode(engine, self.pool))
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -232,6 +233,19 @@ class EngineLoop:
             segments=seq.segments,
         )
         seq.out.put(Generation(seq.text, list(seq.generated), stats, list(seq.logprobs) if seq.params.logprobs else None))
+
+
+def compiled_decode(engine: Engine, pool: KVPool) -> CompiledDecode | None:
+    """The compiled decode step the config asks for: `compile` auto (the CPU: on; CUDA: off,
+    its decode attention is the paged Triton kernel), on (CUDA: with CUDA graphs), off."""
+    cfg = engine.config
+    if cfg.compile not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, got {cfg.compile!r}")
+    cuda = engine.device.type == "cuda"
+    if cfg.compile == "off" or (cfg.compile == "auto" and cuda):
+        return None
+    return CompiledDecode(engine.model, pool, cfg.cache_dir, cfg.compile_timeout_s,
+                          mode="reduce-overhead" if cuda else None)
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

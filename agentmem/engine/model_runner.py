@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .block_manager import BlockManager
+from .compiled import CompiledDecode, paged_attention
 from .kernels import paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool
@@ -38,11 +38,13 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, pool: KVPool, blocks: BlockManager, device: torch.device):
+    def __init__(self, model: Transformer, pool: KVPool, blocks: BlockManager, device: torch.device,
+                 compiled: CompiledDecode | None = None):
         self.model = model
         self.pool = pool
         self.blocks = blocks
         self.device = device
+        self.compiled = compiled  # the compiled decode step, used for batches of decodes only
 
     def _tensor(self, xs, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(xs, dtype=dtype, device=self.device)
@@ -65,10 +67,7 @@ class ModelRunner:
             lens_t = self._tensor(lens, torch.int32)
             return lambda i, q: paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens_t)
         width = max(lens)
-        idx: list[int] = []
-        for s, n in zip(seqs, lens, strict=True):
-            slots = self.blocks.slots(s, 0, n)
-            idx += slots + slots[:1] * (width - n)
+        idx = self._key_slots(seqs, lens, width)
         idx_t = self._tensor(idx)
         mask = None
         if min(lens) < width or (window is not None and width > window):
@@ -78,17 +77,20 @@ class ModelRunner:
             if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
                 mask &= slot >= lens_t - window
             mask = mask[:, None, None, :]
-        b, kv_heads, hd = len(seqs), pool.k.shape[-2], pool.k.shape[-1]
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:
-            k = pool.k[i].view(-1, kv_heads, hd).index_select(0, idx_t).view(b, width, kv_heads, hd)
-            v = pool.v[i].view(-1, kv_heads, hd).index_select(0, idx_t).view(b, width, kv_heads, hd)
-            out = F.scaled_dot_product_attention(
-                q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
-            )
-            return out[:, :, 0]
+            return paged_attention(q, pool.k[i], pool.v[i], idx_t, mask, width)
 
         return attn
+
+    def _key_slots(self, seqs: list[Sequence], lens: list[int], width: int) -> list[int]:
+        """The flat pool slots of each sequence's keys, each row padded to `width` with its own
+        first slot (masked)."""
+        idx: list[int] = []
+        for s, n in zip(seqs, lens, strict=True):
+            slots = self.blocks.slots(s, 0, n)
+            idx += slots + slots[:1] * (width - n)
+        return idx
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -110,6 +112,16 @@ class ModelRunner:
                 done.append(seq)
         decodes = [sc.seq for sc in batch if sc.n == 1]
         n_dec = len(decodes)
+        if n_dec == len(batch) and self.compiled is not None:
+            lens = [s.num_computed + 1 for s in decodes]
+            bucket = self.compiled.get(n_dec, max(lens))
+            if bucket is not None:
+                logits = self.compiled.run(bucket, self._tensor(ids), self._tensor(pos), self._tensor(slots),
+                                           self._key_slots(decodes, lens, max(lens)), lens,
+                                           self.model.args.sliding_window)
+                for seq in decodes:
+                    seq.num_computed += 1
+                return logits, done
         decode_attn = self._decode_attention(decodes) if n_dec else None
         chunks = []  # (row offset, n, start position, block table)
         row = n_dec
