@@ -25,7 +25,7 @@ from .kernels.reference import sdpa
 from .layers import visible
 from .linear import resolve_weights
 from .loop import EngineLoop
-from .model import ModelArgs, Transformer, load_transformer
+from .model import Transformer, load_transformer
 from .sampler import SamplingParams
 from .sequence import Sequence
 from .tokenizer import ChatFormat, chat_format, load_tokenizer, stop_ids
@@ -218,10 +218,12 @@ class Engine(ChatText):
         dense = {"bf16": "bfloat16", "fp32": "float32"}
         dtype = pick_dtype(dense.get(config.weights, "auto") if config.dtype == "auto" else config.dtype, device)
         path = resolve_model_dir(config.model_path, config.cache_dir)
-        a = ModelArgs.from_hf_config(path)
+        model = load_transformer(path, dtype, device)
+        a = model.args
         weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, (2 * a.hidden_dim, a.dim),
                                   config.cache_dir)
-        model = load_transformer(path, dtype, device, weights)
+        if weights != model.weights:
+            model.pack(weights)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
         engine = cls(model, load_tokenizer(path), model_id, device, config, path)
         if config.kv_mode != "full":
