@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-memory-kv lint
+.PHONY: setup demo test bench bench-peers bench-memory-kv lint
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -39,6 +39,10 @@ $(LLAMA_STAMP): $(STAMP)
 	$(PY) -m pip install -q "$$(ls .whl/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -1)[server]"
 	touch $@
 
+# The peers `agentmem bench engine` times in the same run when they are importable: llama.cpp
+# (llama-cpp-python, built as above) on the same GGUF (llamacpp_prefill_tok_s, _decode_tok_s).
+bench-peers: $(LLAMA_STAMP)
+
 test: setup $(LLAMA_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
@@ -48,7 +52,7 @@ lint: setup
 # Every benchmark on the default model; each prints its JSON last, kept in docs/bench/ (the
 # README's numbers come from these files). Run on a quiet machine: they time the CPU.
 BENCH := $(VENV)/bin/agentmem bench
-bench: setup
+bench: setup bench-peers
 	mkdir -p docs/bench
 	$(BENCH) engine --json | tail -1 > docs/bench/engine.json
 	$(BENCH) kernels --json | tail -1 > docs/bench/kernels.json

@@ -4,7 +4,7 @@ benchmark is a command (`agentmem bench engine`), not a test."""
 import json
 
 from agentmem.cli import BENCHES
-from agentmem.engine.bench import decode_weight_bytes, prefill_flops, prose_ids
+from agentmem.engine.bench import chat_prompt_ids, decode_weight_bytes, prefill_flops, prose_ids
 
 
 def test_prose_prompt_has_exactly_the_asked_tokens_and_is_seeded(engine):
@@ -38,3 +38,10 @@ def test_kernels_bench_is_a_cli_bench_printing_json_last(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["dtype"] == "bfloat16"
     assert any(k.endswith("_torch_ms") and v > 0 for k, v in result.items() if isinstance(v, float))
+
+
+def test_the_ttft_prompt_is_a_chat_turn_of_exactly_the_asked_tokens(engine):
+    ids = chat_prompt_ids(engine, 350, seed=0)
+    assert len(ids) == 350 and ids != chat_prompt_ids(engine, 350, seed=1)
+    prefix = engine.encode(engine.chat.generation_prefix)
+    assert ids[-len(prefix):] == prefix  # the prompt ends where the reply starts

@@ -8,14 +8,20 @@ interleaved, so both see the same load on a shared machine):
   logits_to_keep=1)`, which is what its `generate()` does for a prompt.
 - decode: one stream, `--new-tokens` greedy tokens (default 128) after a short chat
   prompt; the first token (prefill) is excluded on both sides. HF runs `generate()` with
-  its KV cache.
+  its KV cache. Ours runs eager and compiled (engine/compiled.py; `compile_s` is what its
+  buckets took to compile or load from the disk cache in this run), in the weight format
+  chosen here (`weights`, engine/linear.py) and in int8; `decode_tok_s` is the default setup.
+- ttft_350: time to first token of a 350-token chat prompt (what a memory turn costs).
 - batch: `--streams` concurrent streams (default 8) through the scheduler; decode
   throughput of all streams together, and KV utilisation (used / allocated KV bytes of the
   paged pool over the run; `kv_utilization_reserved` is the same for a contiguous cache
   that reserves prompt + max_tokens per request, the best case of pre-paging servers).
-- max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens.
-- the machine: matmul rate (fp32, bf16, the bench dtype) and memory copy bandwidth, to say
-  how far each figure is from what the hardware allows.
+- max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens;
+  `perplexity` of fp32, the bench dtype and int8 weights on those tokens, and int8's max
+  logit error against our fp32.
+- the machine: matmul rate (fp32, bf16, and the bench dtype in the weight format used) and
+  memory copy bandwidth, to say how far each figure is from what the hardware allows; the
+  bandwidth bound counts the bytes of the weight format used.
 
 The peer runs in the same dtype, on the same threads, under `torch.inference_mode()`.
 llama-cpp-python on the same GGUF is timed too when it happens to be importable (it runs
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from .engine import Engine, Segment
+from .linear import INT4_GROUP, Proj, cpu_flags, onednn_bf16
 from .loop import EngineLoop
 from .model import ModelArgs
 from .weights import resolve_model_dir
@@ -98,15 +105,17 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_gflops(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0) -> float:
-    """Best rate of F.linear on the model's largest projection shape (tokens x 576 -> 1536)."""
-    m = 1024 if dtype == torch.float32 or device.type == "cuda" else 256  # emulated bf16 is slow
+def matmul_gflops(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0, fmt: str | None = None) -> float:
+    """Best rate of the engine's projection (linear.Proj, in weight format `fmt`, default
+    dense in `dtype`) on the model's largest projection shape (tokens x 576 -> 1536)."""
+    fast = dtype == torch.float32 or device.type == "cuda" or onednn_bf16()
+    m = 1024 if fast else 256  # emulated bf16 is slow
     x = torch.randn(m, 576, device=device).to(dtype)
-    w = torch.randn(1536, 576, device=device).to(dtype)
-    F.linear(x, w)
+    p = Proj(torch.randn(1536, 576, device=device).to(dtype), fmt=fmt)
+    p(x)
     best, spent = float("inf"), 0.0
     while spent < budget_s:
-        dt = _seconds(lambda: F.linear(x, w), device)
+        dt = _seconds(lambda: p(x), device)
         best, spent = min(best, dt), spent + dt
     return 2 * m * 576 * 1536 / best / 1e9
 
@@ -120,10 +129,11 @@ def copy_gb_s(device: torch.device, n_bytes: int = 256 << 20, repeats: int = 5) 
     return 2 * n_bytes / best / 1e9
 
 
-def machine_figures(dtype: torch.dtype, device: torch.device) -> tuple[float, float, float, float]:
-    """(fp32 GFLOP/s, bf16 GFLOP/s, GFLOP/s in `dtype`, copy GB/s)."""
+def machine_figures(dtype: torch.dtype, device: torch.device, fmt: str) -> tuple[float, float, float, float]:
+    """(fp32 GFLOP/s, bf16 GFLOP/s, GFLOP/s in `dtype` and weight format `fmt`, copy GB/s)."""
     fp32, bf16 = matmul_gflops(torch.float32, device), matmul_gflops(torch.bfloat16, device)
-    own = {torch.float32: fp32, torch.bfloat16: bf16}.get(dtype) or matmul_gflops(dtype, device)
+    dense = fmt == {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+    own = {torch.float32: fp32, torch.bfloat16: bf16}[dtype] if dense else matmul_gflops(dtype, device, fmt=fmt)
     return fp32, bf16, own, copy_gb_s(device)
 
 
@@ -135,11 +145,16 @@ def prefill_flops(a: ModelArgs, n: int) -> float:
     return a.n_layers * (linear + attention) + 2 * a.dim * a.vocab_size
 
 
-def decode_weight_bytes(a: ModelArgs, itemsize: int) -> int:
+# bytes per weight of each format, scales included (int8: one fp32 per output row of >= 576
+# inputs; int4: a scale and an offset per 32 inputs)
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5 + 2 * 2 / INT4_GROUP}
+
+
+def decode_weight_bytes(a: ModelArgs, itemsize: float) -> int:
     """Weight bytes one decode step reads: every projection and the LM head."""
     hd = a.head_dim
     per_layer = a.dim * ((a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd + 3 * a.hidden_dim)
-    return (a.n_layers * per_layer + a.vocab_size * a.dim) * itemsize
+    return int((a.n_layers * per_layer + a.vocab_size * a.dim) * itemsize)
 
 
 # --- the runs ---------------------------------------------------------------------------------
@@ -183,6 +198,44 @@ def hf_generate_s(hf, ids: list[int], new_tokens: int, device: torch.device) -> 
             lambda: hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False),
             device,
         )
+
+
+def chat_prompt_ids(engine: Engine, n_tokens: int, seed: int) -> list[int]:
+    """A chat prompt (one user message of prose, then the assistant prefix) of n_tokens ids."""
+    def build(k: int) -> list[int]:
+        text = engine.decode(prose_ids(engine, k, seed))
+        return [t for s in engine.chat_segments([{"role": "user", "content": text}]) for t in engine.encode(s.text)]
+
+    k = n_tokens
+    ids = build(k)
+    for _ in range(8):  # the message's wrapping and re-tokenized prose shift the count a little
+        if len(ids) == n_tokens:
+            break
+        k += n_tokens - len(ids)
+        ids = build(k)
+    return ids
+
+
+def ours_ttft_s(engine: Engine, loop: EngineLoop, n_tokens: int, repeats: int) -> float:
+    return min(engine.generate(chat_prompt_ids(engine, n_tokens, seed=100 + r), max_tokens=1, loop=loop).stats.ttft_s
+               for r in range(repeats))
+
+
+def perplexity(engine: Engine, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """(perplexity of `ids`, the logits)."""
+    logits = engine.logits(ids)
+    return float(torch.exp(F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:], device=logits.device)))), logits
+
+
+def decode_loop(engine: Engine, compiled: bool, pool_tokens: int) -> EngineLoop:
+    """An EngineLoop, its decode step compiled (every bucket compiled at first use, not in the
+    background) or eager."""
+    loop = EngineLoop(engine, pool_tokens=pool_tokens)
+    if not compiled:
+        loop.runner.compiled = None
+    elif loop.runner.compiled is not None:
+        loop.runner.compiled.background = False
+    return loop
 
 
 def max_logit_err(engine: Engine, hf, ids: list[int]) -> float:
@@ -255,21 +308,32 @@ def main(argv: list[str]) -> int:
 
     base = Config() if args.model is None else Config(model_path=args.model)
     model_path = base.model_path
-    # the plain engine, no chunk reuse
+    # the plain engine, no chunk reuse; compiled when the config says so (auto: on the CPU)
     engine = Engine.load(base.model_copy(update={"dtype": args.dtype, "device": args.device, "kv_mode": "full"}))
-    device, dtype, margs = engine.device, engine.dtype, engine.model.args
+    device, dtype, margs, weights = engine.device, engine.dtype, engine.model.args, engine.weights
     path = resolve_model_dir(engine.config.model_path, engine.config.cache_dir)
     hf = load_hf(path, dtype, device)
     peer = type(hf).__name__
     ids = prose_ids(engine, args.prompt_tokens)
     chat = story_prompt(engine, 0)
     chat_ids = [t for s in chat for t in engine.encode(s.text)]
-    loop = EngineLoop(engine, pool_tokens=max(engine.config.kv_pool_tokens, 2 * args.prompt_tokens))
+    pool_tokens = max(engine.config.kv_pool_tokens, 2 * args.prompt_tokens)
+    loop = decode_loop(engine, False, pool_tokens)
+    compiled = decode_loop(engine, True, pool_tokens)
+    on = compiled.runner.compiled is not None
+    int8 = engine if weights == "int8" else Engine.load(engine.config.model_copy(update={"weights": "int8"}))
+    loop8 = decode_loop(int8, on, pool_tokens)
     ours_prefill_s(engine, loop, ids[:64])  # warm up both
     hf_prefill_s(hf, ids[:64], device)
+    log("compiling the decode step (or loading it from the disk cache) ...")
+    for lp, e in ((compiled, engine), (loop8, int8)):  # the buckets the runs below use
+        ours_decode_tok_s(e, lp, chat, 3)
+    ours_batch(engine, compiled, [story_prompt(engine, i, tag=99) for i in range(args.streams)], 3)
+    compile_s = compiled.runner.compiled.compile_s if on else None
+    default = compiled if on else loop
 
     log("machine ...")
-    machine = machine_figures(dtype, device)  # measured before and after the runs; the best is kept
+    machine = machine_figures(dtype, device, weights)  # measured before and after the runs; the best is kept
 
     log(f"prefill {args.prompt_tokens} tokens ...")
     ours_pf, hf_pf = [], []
@@ -278,40 +342,59 @@ def main(argv: list[str]) -> int:
         ours_pf.append(ours_prefill_s(engine, loop, rotated))
         hf_pf.append(hf_prefill_s(hf, rotated, device))
 
+    log("time to first token, 350-token chat prompt ...")
+    ttft = ours_ttft_s(engine, default, 350, args.repeats)
+
     log(f"decode {args.new_tokens} tokens, one stream ...")
-    ours_dec, hf_one, hf_all = [], [], []
+    ours_dec, ours_comp, ours_int8, hf_one, hf_all = [], [], [], [], []
     for _ in range(args.repeats):
         ours_dec.append(ours_decode_tok_s(engine, loop, chat, args.new_tokens))
+        if on:
+            ours_comp.append(ours_decode_tok_s(engine, compiled, chat, args.new_tokens))
+        ours_int8.append(ours_decode_tok_s(int8, loop8, chat, args.new_tokens))
         hf_one.append(hf_generate_s(hf, chat_ids, 1, device))
         hf_all.append(hf_generate_s(hf, chat_ids, args.new_tokens, device))
     hf_decode = (args.new_tokens - 1) / (min(hf_all) - min(hf_one))
 
     log(f"decode {args.new_tokens} tokens, {args.streams} streams ...")
-    batch = [ours_batch(engine, loop, [story_prompt(engine, i, tag=r) for i in range(args.streams)], args.new_tokens)
-             for r in range(args.repeats)]
+    batch = [ours_batch(engine, default, [story_prompt(engine, i, tag=r) for i in range(args.streams)],
+                        args.new_tokens) for r in range(args.repeats)]
     rate, util, reserved = max(batch)
 
-    log("logits vs HF in fp32 ...")
+    log("logits vs HF in fp32, perplexities ...")
     err_ids = ids[:512]
-    if dtype == torch.float32:
-        err = max_logit_err(engine, hf, err_ids)
-    else:
+    fp32 = engine if dtype == torch.float32 and weights == "fp32" else Engine.load(
+        engine.config.model_copy(update={"dtype": "float32", "weights": "fp32"}))
+    if fp32 is not engine:
         del hf
-        err = max_logit_err(Engine.load(engine.config.model_copy(update={"dtype": "float32"})),
-                            load_hf(path, torch.float32, device), err_ids)
+    err = max_logit_err(fp32, hf if fp32 is engine else load_hf(path, torch.float32, device), err_ids)
+    ppl_fp32, ref = perplexity(fp32, err_ids)
+    ppl_own, _ = perplexity(engine, err_ids)
+    ppl_int8, int8_logits = perplexity(int8, err_ids)
 
     log("machine, again ...")
-    fp32_peak, bf16_peak, peak, mem = (max(a, b) for a, b in zip(machine, machine_figures(dtype, device), strict=True))
+    fp32_peak, bf16_peak, peak, mem = (max(a, b) for a, b in
+                                       zip(machine, machine_figures(dtype, device, weights), strict=True))
     prefill = args.prompt_tokens / min(ours_pf)
-    decode = max(ours_dec)
-    bound = mem * 1e9 / decode_weight_bytes(margs, torch.finfo(dtype).bits // 8)
+    eager = max(ours_dec)
+    decode = max(ours_comp) if on else eager
+    bound = mem * 1e9 / decode_weight_bytes(margs, WEIGHT_BYTES[weights])
     result = {
         "prefill_tok_s": round(prefill, 1),
         "hf_prefill_tok_s": round(args.prompt_tokens / min(hf_pf), 1),
         "decode_tok_s": round(decode, 2),
         "hf_decode_tok_s": round(hf_decode, 2),
+        "weights": weights,
+        "compiled": on,
+        "decode_tok_s_eager": round(eager, 2),
+        "decode_tok_s_compiled": round(max(ours_comp), 2) if on else None,
+        "decode_tok_s_int8": round(max(ours_int8), 2),
+        "compile_s": None if compile_s is None else round(compile_s, 1),
+        "ttft_350_s": round(ttft, 3),
         "batch8_decode_tok_s" if args.streams == 8 else f"batch{args.streams}_decode_tok_s": round(rate, 1),
         "max_logit_err": err,
+        "perplexity": {"fp32": round(ppl_fp32, 4), weights: round(ppl_own, 4), "int8": round(ppl_int8, 4)},
+        "int8_max_logit_err_vs_fp32": round(float((int8_logits - ref).abs().max()), 4),
         "kv_utilization": round(util, 4),
         "dtype": str(dtype).removeprefix("torch."),
         "prefill_speedup_vs_hf": round(prefill * min(hf_pf) / args.prompt_tokens, 2),
@@ -326,6 +409,8 @@ def main(argv: list[str]) -> int:
                                             / args.prompt_tokens / (peak * 1e9), 1),
         "decode_bound_tok_s": round(bound, 1),
         "decode_pct_of_bandwidth_bound": round(100 * decode / bound, 1),
+        "decode_int8_pct_of_bandwidth_bound": round(100 * max(ours_int8) * decode_weight_bytes(margs, 1) / (mem * 1e9), 1),
+        "cpu_flags": " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))),
         **(llamacpp_figures(model_path, ids, chat_ids, args.new_tokens, threads)
            if model_path is None or model_path.suffix == ".gguf"
            else {"llamacpp_prefill_tok_s": None, "llamacpp_decode_tok_s": None}),
