@@ -181,3 +181,13 @@ def test_a_tenants_queue_is_bounded_past_it_429_at_once():
     for t in waiters:
         t.join(5)
     assert not any(t.is_alive() for t in waiters) and "noisy" not in slots._waiting
+
+
+def test_one_large_prefill_only_when_one_tenant_alone_has_work():
+    alone = Scheduler(BlockManager(512, 16), max_batch=4, prefill_chunk=8, idle_chunk=64)
+    alone.add(_seq("a", n=40))
+    assert [sc.n for sc in alone.schedule()] == [40]  # nobody to stall: the whole prompt at once
+    shared = Scheduler(BlockManager(512, 16), max_batch=4, prefill_chunk=8, idle_chunk=64)
+    shared.add(_seq("a", n=40))
+    shared.add(_seq("b", n=40))
+    assert sum(sc.n for sc in shared.schedule()) == 8  # b's prompt waits for one chunk, not for all of a's

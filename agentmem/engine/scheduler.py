@@ -2,8 +2,9 @@
 
 Every step first gives each running sequence that is decoding its one token (so a long
 prompt arriving never stalls the streams already running), then spends at most
-`prefill_chunk` tokens on prompts, oldest first (`idle_chunk` when no sequence is decoding:
-there is nothing to stall then, and one large forward is faster than many small ones), admitting waiting requests while there is
+`prefill_chunk` tokens on prompts, oldest first (`idle_chunk` when no sequence is decoding
+and one tenant alone has work: there is nothing to stall then, and one large forward is
+faster than many small ones), admitting waiting requests while there is
 room in the batch and in the KV pool. When a decode needs a block and the pool is full, the
 most recently admitted sequence is preempted: its blocks are freed and it is recomputed later
 (its full blocks usually stay cached, so the recompute is mostly prefix hits).
@@ -101,7 +102,10 @@ class Scheduler:
                     batch = [s for s in batch if s.seq is not victim]
                     if victim is seq:
                         break
-        budget = full = self.prefill_chunk if batch else self.idle_chunk
+        # one large prefill forward only when one tenant alone has work: with two, another's
+        # prompt would wait behind the whole of it
+        alone = len({s.salt for s in self.running} | {s.salt for s in self.waiting}) <= 1
+        budget = full = self.idle_chunk if alone and not batch else self.prefill_chunk
         counts = self._running_per_tenant()
         # prompt chunks: the tenants running least go first (a flood's prefills queue behind
         # a quiet tenant's, never the reverse); sorted() keeps arrival order within a tenant

@@ -7,6 +7,8 @@ Vectors are L2-normalised float32, so an inner-product FAISS index ranks by cosi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,14 +46,34 @@ class Embedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         texts = list(texts)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # like lengths pad least together
-        lane = self.quick if sum(map(len, texts)) <= QUICK_CHARS else self.bulk
+        quick = sum(map(len, texts)) <= QUICK_CHARS
+        lane = self.quick if quick else self.bulk
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        for batch in _turns([len(texts[i]) for i in order]):
-            idx = [order[i] for i in batch]
-            with lane.turn(owner, sum(min(len(texts[i]), TURN_CHARS) for i in idx) + 100):
-                out[idx] = self.model.encode([texts[i] for i in idx], batch_size=BATCH, normalize_embeddings=True,
-                                             convert_to_numpy=True, show_progress_bar=False)
+        with _half_threads(not quick):
+            for batch in _turns([len(texts[i]) for i in order]):
+                idx = [order[i] for i in batch]
+                with lane.turn(owner, sum(min(len(texts[i]), TURN_CHARS) for i in idx) + 100):
+                    out[idx] = self.model.encode([texts[i] for i in idx], batch_size=BATCH, normalize_embeddings=True,
+                                                 convert_to_numpy=True, show_progress_bar=False)
         return out
+
+
+@contextmanager
+def _half_threads(halve: bool) -> Iterator[None]:
+    """Bulk embedding (indexing long histories) runs on half the cores, in this thread only
+    (torch's thread count is per thread): the engine's forwards and other tenants' queries
+    keep the rest while a flood of long messages is indexed."""
+    if not halve:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _turns(lengths: list[int]) -> list[list[int]]:
