@@ -98,12 +98,15 @@ class EngineLoop:
         if not batch:
             return
         self.steps += 1
-        ready: list[tuple[Sequence, torch.Tensor]] = []
+        planned: list[tuple[Sequence, torch.Tensor]] = []
         for sc in batch:
             if sc.plan:
                 logits = self._plan(sc)
                 if logits is not None:
-                    ready.append((sc.seq, logits))
+                    planned.append((sc.seq, logits))
+        # a planned prompt's first token goes out now, not after the others' forward
+        self._sample(planned)
+        ready: list[tuple[Sequence, torch.Tensor]] = []
         model_batch = [sc for sc in batch if not sc.plan]
         if model_batch:
             logits, seqs = self.runner.run(model_batch)
