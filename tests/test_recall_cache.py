@@ -4,30 +4,9 @@ flat, and an index evicted from memory is loaded again, whole, on its next use."
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
-
 from agentmem.config import Config
 from agentmem.tiers import MemoryStore
-from agentmem.tiers.soak import rss_mb, soak
-
-
-class HashEmbedder:
-    """Deterministic vectors from the text's words (no model: the cache is under test)."""
-
-    dim = 384
-
-    def __init__(self):
-        self.texts = 0  # how many texts it embedded
-
-    def embed(self, texts: list[str], owner: str = "") -> np.ndarray:
-        self.texts += len(texts)
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, t in enumerate(texts):
-            for w in t.lower().split():
-                out[i, int(hashlib.blake2b(w.encode(), digest_size=4).hexdigest(), 16) % self.dim] += 1.0
-        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-6)
+from agentmem.tiers.soak import HashEmbedder, rss_mb, soak
 
 
 def test_soak_over_10k_users_keeps_resident_size_flat(tmp_path):

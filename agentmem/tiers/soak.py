@@ -5,6 +5,12 @@ a long tail of users. With the recall cache bounded (`AGENTMEM_RECALL_CACHE_MB`)
 process's resident size stays flat; the peer, in the same run, is the same loop with the
 bound lifted (every index kept, as before the bound existed). Each arm runs in a fresh
 process so that neither inherits the other's heap. Prints JSON last.
+
+`--embedder hash` (the default) embeds with `HashEmbedder`: 384-d vectors from the words,
+the size MiniLM's are, so each user's index weighs what it would, without a model's
+seconds per user (10,000 users through MiniLM take hours on a shared 2-core machine; the
+model's own weights are a constant part of the resident size, not a growing one).
+`--embedder model` uses the real embedder.
 """
 
 from __future__ import annotations
@@ -17,6 +23,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+
+
+class HashEmbedder:
+    """Deterministic 384-d unit vectors from the text's words (no model)."""
+
+    dim = 384
+
+    def __init__(self):
+        self.texts = 0  # how many texts it embedded
+
+    def embed(self, texts: list[str], owner: str = "") -> np.ndarray:
+        import hashlib
+
+        self.texts += len(texts)
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            for w in t.lower().split():
+                out[i, int(hashlib.blake2b(w.encode(), digest_size=4).hexdigest(), 16) % self.dim] += 1.0
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-6)
 
 
 def rss_mb() -> float:
@@ -57,16 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print only the JSON result line")
     p.add_argument("--users", type=int, default=10_000)
     p.add_argument("--cache-mb", type=int, default=64, help="the bounded arm's AGENTMEM_RECALL_CACHE_MB")
+    p.add_argument("--embedder", choices=("hash", "model"), default="hash",
+                   help="hash: HashEmbedder (384-d, no model); model: the real embedder")
     p.add_argument("--arm", type=int, default=None, help=argparse.SUPPRESS)  # one arm, in this process
     args = p.parse_args(argv)
     if args.arm is not None:
         with tempfile.TemporaryDirectory(prefix="agentmem-soak-") as tmp:
-            print(json.dumps(soak(Path(tmp), args.users, args.arm)))
+            emb = HashEmbedder() if args.embedder == "hash" else None
+            print(json.dumps(soak(Path(tmp), args.users, args.arm, embedder=emb)))
         return 0
     arms = {}
     for name, mb in (("bounded", args.cache_mb), ("unbounded", 1 << 20)):
-        run = subprocess.run([sys.executable, "-m", "agentmem.tiers.soak", "--users", str(args.users), "--arm", str(mb)],
-                             capture_output=True, text=True, check=True)
+        run = subprocess.run([sys.executable, "-m", "agentmem.tiers.soak", "--users", str(args.users), "--arm", str(mb),
+                              "--embedder", args.embedder], capture_output=True, text=True, check=True)
         arms[name] = json.loads(run.stdout.strip().splitlines()[-1])
         if not args.json:
             print(f"  {name}: {arms[name]['rss_mb']} MB after {args.users} users", file=sys.stderr)
@@ -74,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     first = b["samples"][0]["rss_mb"] if b["samples"] else b["rss_mb"]
     print(json.dumps({
         "bench": "recall-cache", "users": args.users, "cache_mb": args.cache_mb,
+        "embedder": "HashEmbedder (384-d, no model)" if args.embedder == "hash" else "the real embedder",
         "rss_mb_10k_users": b["rss_mb"], "rss_mb_first_1k_users": first,
         "rss_growth_mb": round(b["rss_mb"] - first, 1),
         "peer": "the same loop with the cache unbounded, in its own process",
