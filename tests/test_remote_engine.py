@@ -108,7 +108,7 @@ def test_server_killed_mid_stream_fails_the_turn_cleanly(tmp_path, embedder):
     t0 = time.perf_counter()
     with pytest.raises(EngineUnavailable, match="unreachable after 3 tries"):
         s.chat("Are you there?", max_tokens=4)
-    assert time.perf_counter() - t0 < 10  # retried with backoff, then a clear error
+    assert time.perf_counter() - t0 < 30  # retried with backoff, then a clear error (not the 120 s read timeout)
     assert [m.text for m in store.session_messages("default", "bob", s.session_id)][-1] == "Are you there?"
     store.close()
     remote.close()
