@@ -183,9 +183,9 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
 
 def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
     """`own` or int8, whichever runs a one-row product of `shape` [out, in] faster here;
-    measured once per (CPU flags, torch, shape) and remembered in `cache_dir`."""
+    measured once per (CPU flags, torch, shape, threads) and remembered in `cache_dir`."""
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    key = f"{torch.__version__}|{shape}|{own}|{' '.join(flags)}"
+    key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{' '.join(flags)}"
     memo = Path(cache_dir).expanduser() / "weights-choice.json"
     try:
         saved = json.loads(memo.read_text())
