@@ -79,7 +79,8 @@ def memory_line(hit: Hit, compressed: bool = False) -> str:
     text = " ".join(((compressed and hit.compressed_text) or hit.text).split())
     if hit.kind == "message":
         who = f"{hit.name} said" if hit.name else "you said" if hit.role == "assistant" else "I said"
-        return f'- {hit.time:%Y-%m-%d} {who}: "{text}"\n'
+        context = f" ({hit.context})" if hit.context else ""  # the turn a short reply answers, or a question's answer
+        return f'- {hit.time:%Y-%m-%d} {who}: "{text}"{context}\n'
     return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
 

@@ -313,3 +313,86 @@ def test_embedder_dtype_setting():
     assert dtype(load_embedder()) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
     with pytest.raises(ValueError, match="embed dtype"):
         load_embedder(dtype="float16")
+
+
+# --- events as time anchors, neighbour turns, looped replies, sentence vectors ----------------
+LONG = ("Hey! sorry I have been so quiet, work has been chaos all week with three deadlines and a broken printer. "
+        "Oh and we finally adopted a greyhound from the shelter, she is called Pepper.")
+
+
+def test_a_long_turn_is_found_by_one_of_its_sentences_and_returned_whole(store):
+    from agentmem.tiers.recall import sentences
+
+    assert sentences(LONG) == ["sorry I have been so quiet, work has been chaos all week with three deadlines "
+                               "and a broken printer.",  # "Hey!" alone is too short to say anything
+                               "Oh and we finally adopted a greyhound from the shelter, she is called Pepper."]
+    assert sentences("Short turn. Two sentences.") == []
+    ids = _conversation(store, sessions=[SMALL_TALK + [("Priya", LONG, 0), ("Tom", "Work sounds awful", 0),
+                                                       ("Priya", "The printer at work is broken again", 0)]])
+    ui = store.recall.sync("default", "alice")
+    assert ui.messages[ids[LONG]] == 1 + 1 + len(sentences(LONG))  # text, context, one per sentence
+    hit = store.search("default", "alice", "Which dog did Priya take home?", k=3, retrievers=("dense",))[0]
+    assert hit.id == ids[LONG] and hit.text == LONG and hit.chunk == 0 and hit.retrievers == ["dense"]
+
+
+@pytest.mark.parametrize("question, relation, days, phrase", [
+    ("What happened with Sofia in the days after getting back from Lisbon?", "after", 7, "getting back from Lisbon"),
+    ("What did Priya do the week after her trip to Oaxaca?", "after", 8, "her trip to Oaxaca"),
+    ("Where did Tom go the month before his wedding?", "before", 31, "his wedding"),
+    ("What did she eat following the marathon", "after", 14, "the marathon"),
+    ("What exercise did Sofia do before the current one?", None, None, None),
+    ("What did he do after that?", None, None, None),
+])
+def test_events_that_date_a_question(question, relation, days, phrase):
+    from agentmem.tiers.timeparse import parse_anchor
+
+    got = parse_anchor(question)
+    assert (got.relation, got.days, got.phrase) == (relation, days, phrase) if relation else got is None
+
+
+def test_the_week_after_an_event_is_found_through_the_events_own_date(store):
+    trip = [("Priya", "Back home from Lisbon now, miss the pastries already", 0), ("Tom", "Welcome back!", 0)]
+    after = [("Priya", "Yesterday I ran a 5k, long story", 5), ("Tom", "Wow, good for you", 5)]
+    far = [("Priya", "Yesterday I went climbing with my cousin", 60), ("Tom", "Sounds fun", 60)]
+    ids = _conversation(store, sessions=[SMALL_TALK, trip, after, far])
+    q = parse_query("What did Priya do the week after her trip to Lisbon?", ["Priya", "Tom"], T0)
+    assert q.window is None and q.anchor is not None
+    hits = store.search("default", "alice", "What did Priya do the week after her trip to Lisbon?", k=4)
+    ranked = [h.id for h in hits]
+    five_k, climbing = ids["Yesterday I ran a 5k, long story"], ids["Yesterday I went climbing with my cousin"]
+    assert five_k in ranked and "time" in hits[ranked.index(five_k)].retrievers
+    assert climbing not in ranked or ranked.index(five_k) < ranked.index(climbing)
+
+
+def test_a_short_reply_comes_with_its_question_and_a_question_with_its_answer(store):
+    ids = _conversation(store, sessions=[SMALL_TALK + [
+        ("Tom", "What did you end up buying at the flea market?", 0), ("Priya", "The cello!", 0)]])
+    hits = store.search("default", "alice", "the cello", k=3, retrievers=("lexical",))
+    reply = next(h for h in hits if h.id == ids["The cello!"])
+    assert reply.context == 'in reply to Tom: "What did you end up buying at the flea market?"'
+    hits = store.search("default", "alice", "flea market buying", k=3, retrievers=("lexical",))
+    asked = next(h for h in hits if h.id == ids["What did you end up buying at the flea market?"])
+    assert asked.context == 'Priya answered: "The cello!"'
+    from agentmem.assemble import memory_line
+
+    assert memory_line(reply).endswith('"The cello!" (in reply to Tom: "What did you end up buying at the flea market?")\n')
+    long = next(h for h in store.search("default", "alice", "weather awful", k=3, retrievers=("lexical",))
+                if h.id == ids["Same here, the weather was awful"])
+    assert long.context == 'in reply to Tom: "Pretty quiet, mostly slept haha"'
+
+
+def test_looped_replies_are_read_incrementally(store):
+    archive = store.archive
+    sid = store.open_session("default", "lou").id
+    first = store.add_messages("default", "lou", sid, [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "hi hi hi"}])
+    store.record_turn("default", "lou", sid, {"stats": {"finish_reason": "repetition"},
+                                              "message_ids": [m.id for m in first]})
+    got, top = archive.looped_since("default", "lou")
+    assert got == {first[1].id} and top > 0
+    assert archive.looped_since("default", "lou", top) == (set(), top)
+    more = store.add_messages("default", "lou", sid, [{"role": "user", "content": "and?"},
+                                                      {"role": "assistant", "content": "fine"}])
+    store.record_turn("default", "lou", sid, {"stats": {"finish_reason": "stop"}, "message_ids": [m.id for m in more]})
+    got, newer = archive.looped_since("default", "lou", top)
+    assert got == set() and newer > top

@@ -138,17 +138,39 @@ class _Builder:
     def names(self) -> tuple[str, str]:
         return self.speakers[0].name, self.speakers[1].name
 
-    def fact_block(self, who: int, text: str, cues: tuple[str, ...]) -> tuple[list[_Planted], int]:
-        """The other's lead-in (sometimes), the fact, the other's reaction."""
+    def fact_block(self, who: int, text: str, cues: tuple[str, ...], avoid: str = "") -> tuple[list[_Planted], int]:
+        """The other's lead-in (sometimes), the fact (often inside a longer turn that also says
+        something else, sharing no word with `avoid`), the other's reaction."""
         t = self.tag()
         block = []
         if cues and self.rng.random() < 0.6:
             block.append(_Planted(1 - who, self.rng.choice(cues)))
-        block.append(_Planted(who, text, t))
         people = tuple(o[0].name for o in self.others)
+        block.append(_Planted(who, _wrap(self.rng, text, people, self.speakers[1 - who].name, avoid), t))
         react = C.fill(self.rng, self.rng.choice(C.REACT), people, self.speakers[who].name)
         block.append(_Planted(1 - who, C.noisy(self.rng, react)))
         return block, t
+
+
+WRAP_SHARE = 0.4  # fact turns that also say something else, as real turns do
+
+
+def _sentence(text: str) -> str:
+    return text if text.rstrip()[-1:] in ".!?" or text.rstrip()[-1:] > "\u2000" else f"{text}."
+
+
+def _wrap(rng: random.Random, text: str, people: tuple[str, ...], other: str, avoid: str) -> str:
+    """Sometimes the fact is one sentence of a longer turn: a greeting or other news before
+    it, a question back after it ("Hey! busy week. Oh and I bought a cello. How are you?")."""
+    if rng.random() >= WRAP_SHARE:
+        return text
+    before = rng.random() < 0.6
+    pool = (C.GREET_BACK if before else C.ASK_BACK) + tuple(t for ts in C.TOPICS.values() for t in ts)
+    for _ in range(4):
+        extra = C.fill(rng, rng.choice(pool), people, other)
+        if not avoid or not shared_stems(avoid, extra):
+            return f"{_sentence(extra)} {text}" if before else f"{_sentence(text)} {extra}"
+    return text
 
 
 def _relative(rng: random.Random, day: datetime) -> tuple[str, str]:
@@ -210,9 +232,10 @@ def _paraphrase(b: _Builder, f: FactType, who: int) -> bool:
         text = C.noisy(rng, _say(rng, f, value, b.dates[session])[0])
         asks = [a for a in f.asks if not shared_stems(_fill(a, **person.fill()), text)]
         if asks:
-            block, t = b.fact_block(who, text, f.cues)
+            q = _fill(rng.choice(asks), **person.fill())
+            block, t = b.fact_block(who, text, f.cues, avoid=q)
             b.plant(session, block)
-            b.ask("paraphrase", _fill(rng.choice(asks), **person.fill()), value, (t,))
+            b.ask("paraphrase", q, value, (t,))
             return True
     return False
 
@@ -277,7 +300,7 @@ def _distractor(b: _Builder, f: FactType, who: int) -> bool:
     q, near = best
     if not near:
         return False
-    block, t = b.fact_block(who, text, ())
+    block, t = b.fact_block(who, text, (), avoid=q)
     b.plant(session, block)
     people = tuple(o[0].name for o in b.others)
     for speaker, line in near:

@@ -420,6 +420,21 @@ class Archive:
                     out[session_id] = _message(row)
         return out
 
+    def neighbours(self, tenant_id: str, user_id: str, wanted: Iterable[tuple[int, str, int]]) -> dict[int, R.Message]:
+        """For each (message id, session id, step): the message just before it in its session
+        (step -1: the turn it answers) or just after it (step +1: the turn that answers it)."""
+        out = {}
+        with self.tx() as s:
+            for mid, session_id, step in wanted:
+                q = select(MessageRow).where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                                             MessageRow.session_id == session_id)
+                q = (q.where(MessageRow.id < mid).order_by(MessageRow.id.desc()) if step < 0
+                     else q.where(MessageRow.id > mid).order_by(MessageRow.id))
+                row = s.scalars(q.limit(1)).first()
+                if row is not None:
+                    out[mid] = _message(row)
+        return out
+
     def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
                        exclude: Iterable[int] = (), since: datetime | None = None,
                        until: datetime | None = None, what: str = "messages") -> list[tuple[int, float]]:
@@ -635,11 +650,19 @@ class Archive:
     def looped_replies(self, tenant_id: str, user_id: str) -> set[int]:
         """Ids of the user's stored replies that the engine's loop detector cut (their turn's
         finish_reason is "repetition"): recall ranks them lower."""
+        return self.looped_since(tenant_id, user_id)[0]
+
+    def looped_since(self, tenant_id: str, user_id: str, after_turn: int = 0) -> tuple[set[int], int]:
+        """`looped_replies` for the turns recorded after turn id `after_turn`, and the newest
+        turn id seen: recall keeps the set and asks only for what is new."""
         reason = TurnRow.trace[("stats", "finish_reason")].as_string()
-        q = select(TurnRow.trace).where(TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id,
-                                        reason == "repetition")
+        scope = (TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id, TurnRow.id > after_turn)
         with self.tx() as s:
-            return {t["message_ids"][-1] for t in s.scalars(q) if len(t.get("message_ids", [])) > 1}
+            top = s.scalar(select(func.max(TurnRow.id)).where(*scope))
+            if top is None:
+                return set(), after_turn
+            traces = s.scalars(select(TurnRow.trace).where(*scope, TurnRow.id <= top, reason == "repetition"))
+            return {t["message_ids"][-1] for t in traces if len(t.get("message_ids", [])) > 1}, int(top)
 
     def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50) -> list[R.Turn]:
         q = select(TurnRow).where(TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id)

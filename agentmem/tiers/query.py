@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from .timeparse import TimeWindow, parse_time
+from .timeparse import Anchor, TimeWindow, parse_anchor, parse_time
 
 MAX_TERMS = 48  # a 100 kB query still becomes one bounded full-text query
 INFO_WORDS = 3  # content words from which a turn counts as saying something
@@ -76,6 +76,7 @@ class ParsedQuery:
     window: TimeWindow | None = None
     asks_when: bool = False  # "when did ...": the evidence is a turn that dates an event
     dense_text: str = ""  # what the embedder reads: the speakers' names masked
+    anchor: Anchor | None = None  # "the week after her trip": dated by another event (no window named)
 
 
 
@@ -90,7 +91,7 @@ def parse_query(text: str, speakers: list[str] | None = None, now: datetime | No
     drop = {p for s in people for p in words(s)}
     window = parse_time(text, now) if now is not None else None
     return ParsedQuery(text, content_terms(text, drop), people, window, bool(_WHEN.search(text)),
-                       mask_names(text, people))
+                       mask_names(text, people), parse_anchor(text) if window is None else None)
 
 
 def mask_names(text: str, names: list[str]) -> str:

@@ -36,7 +36,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from .byte_lru import ByteLRU
 from .keys import context_view
 from .query import ParsedQuery, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta
+from .timeparse import warm_up
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
 MAX_CHUNKS = 2047  # pieces of one message
@@ -69,14 +70,19 @@ NEAR_WINDOW_BOOST = 1.2  # within a week of it
 SPEAKER_BOOST = 1.6  # a turn by a person the question names (real questions name whom they ask about)
 MENTION_BOOST = 1.1  # a turn that names them
 WHEN_BOOST = 1.15  # a "when" question, and a turn that dates something
+NEIGHBOUR_WORDS = 12  # a recalled turn this short comes with the turn it answers
+NEIGHBOUR_CHARS = 200  # of that neighbour turn, at most
 SESSION_DECAY = 0.85  # each further hit from one session counts this much less
 FLUSH_VECTORS = 4096  # save the index after this many new vectors (and on close)
 IVF_MIN_VECTORS = 65_536  # from here a user's index is an IVF (an exact scan grows with the history)
 IVF_NPROBE = 32  # lists an IVF search visits, of about 2 x sqrt(vectors)
 FLUSH_SECONDS = 60.0
+LOOKBACK_IDS = 1000 << 12  # a second of row ids (tiers/ids.py: a millisecond tick above 12 bits)
 _MESSAGE, _MEMORY = 0, 1
-_VIEW_TEXT, _VIEW_CONTEXT = 0, 1
-_INDEX_VERSION = 5
+_VIEW_TEXT, _VIEW_CONTEXT, _VIEW_SENTENCE = 0, 1, 2
+SENTENCE_MIN_WORDS = 16  # a turn this long with two sentences or more gets a vector per sentence too
+_SENTENCE = re.compile(r"(?<=[.!?…])\s+(?=\S)|\n+")
+_INDEX_VERSION = 6  # 6: a vector per sentence of long turns
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -96,11 +102,23 @@ def chunk_text(text: str, size: int = CHUNK_CHARS) -> list[str]:
     return [c for c in out if c] or [text]
 
 
+def sentences(text: str) -> list[str]:
+    """The sentences of a turn long enough to say several things ("Hi! sorry, crazy week.
+    Oh and I finally bought a cello"), each of three words or more; [] for a shorter turn.
+    A mean-pooled vector of the whole turn blurs each thing it says; one per sentence keeps
+    them apart (the turn's `dense` rank is its best vector's)."""
+    if len(text.split()) < SENTENCE_MIN_WORDS:
+        return []
+    parts = [p.strip() for p in _SENTENCE.split(text) if len(p.split()) >= 3]
+    return parts if len(parts) > 1 else []
+
+
 def _message_pieces(m: Message, previous: str | None) -> list[tuple[str, tuple[int, int, int, int]]]:
     """(text, piece) for each vector the dense index holds of a message; a piece is
     (kind, row id, chunk, view)."""
     chunks = chunk_text(m.text)
     out = [(c, (_MESSAGE, m.id, i, _VIEW_TEXT)) for i, c in enumerate(chunks)]
+    out += [(t, (_MESSAGE, m.id, i, _VIEW_SENTENCE)) for i, t in enumerate(sentences(chunks[0]))]
     out.append((context_view(chunks[0], previous, m.keys), (_MESSAGE, m.id, 0, _VIEW_CONTEXT)))
     return out
 
@@ -127,6 +145,8 @@ class UserIndex:
     vids: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (kind, row id) -> faiss ids
     next_vid: int = 0
     ivf_trained_at: int = 0  # vectors when the IVF lists were trained (0: exact index)
+    looped: set[int] = field(default_factory=set)  # replies the loop detector cut (not saved: re-read on load)
+    turns_seen: int = 0  # the newest turn id `looped` has read
     dirty: int = 0  # vectors changed since the last save
     saved_at: float = field(default_factory=time.monotonic)
 
@@ -183,9 +203,12 @@ class _DenseRanks:
     def add(self, name: str, kind: int, row_id: int, chunk: int, view: int, sim: float) -> None:
         c = self.cands.get((kind, row_id))
         if c is None:
-            c = self.cands[(kind, row_id)] = _Cand(kind, row_id, chunk=chunk, similarity=sim)
+            c = self.cands[(kind, row_id)] = _Cand(kind, row_id, chunk=chunk if view == _VIEW_TEXT else 0,
+                                                   similarity=sim)
         if view == _VIEW_TEXT and not c.text_seen:  # results come best first
             c.chunk, c.similarity, c.text_seen = chunk, sim, True
+        elif view == _VIEW_SENTENCE and not c.text_seen:  # one of its sentences: the turn is the hit
+            c.chunk, c.similarity, c.text_seen = 0, sim, True
         if name in c.ranks or self._next[name] >= DEPTH:
             return
         last = self._last.get(name)
@@ -221,6 +244,7 @@ class Recall:
         self._cache_lock = threading.Lock()
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
+        warm_up()
 
     @property
     def embedder(self):
@@ -442,6 +466,11 @@ class Recall:
         ui = self.sync(tenant_id, user_id)
         conv_now = datetime.fromtimestamp(ui.newest, UTC) if ui.newest else datetime.now(UTC)
         pq = parse_query(query, sorted(ui.speakers), conv_now)
+        if pq.anchor is not None and since is None and until is None:
+            event = self.search(tenant_id, user_id, " ".join([pq.anchor.phrase, *pq.people]), k=1,
+                                exclude_messages=exclude, retrievers=use)
+            if event:  # the event's best hit dates it; the question's window is reckoned from there
+                pq = replace(pq, window=pq.anchor.window(event[0].time))
         qvec = self.embedder.embed([pq.dense_text], owner=tenant_id) if use - {"lexical"} else None  # outside the user's lock
         cands: dict[tuple[int, int], _Cand] = {}
         with self._lock(tenant_id, user_id):
@@ -548,8 +577,7 @@ class Recall:
                 src.ranks["facts"] = min(src.ranks.get("facts", DEPTH), c.ranks["facts"])
         meta = self.archive.message_meta(tenant_id, user_id, [c.row_id for c in cands.values() if c.kind == _MESSAGE])
         mention = [p.lower() for p in pq.people]
-        looped = (self.archive.looped_replies(tenant_id, user_id)
-                  if any(m.role == "assistant" for m in meta.values()) else set())
+        looped = self._looped(tenant_id, user_id, ui) if any(m.role == "assistant" for m in meta.values()) else set()
         scored = []
         for c in cands.values():
             row = meta.get(c.row_id) if c.kind == _MESSAGE else mems.get(c.row_id)
@@ -595,9 +623,25 @@ class Recall:
             if pq.asks_when and _DATES.search(msg.text):
                 c.score *= WHEN_BOOST
         picked = _diverse(head, k, lambda cr: cr[1].session_id if isinstance(cr[1], MessageMeta) else None)
-        return [self._hit(ui, c, row, texts, mems, qvec) for c, row in picked]
+        wanted = []
+        for c, _ in picked:
+            msg = texts.get(c.row_id) if c.kind == _MESSAGE else None
+            if msg is not None and (step := _neighbour_step(msg.text)):
+                wanted.append((msg.id, msg.session_id, step))
+        near = self.archive.neighbours(tenant_id, user_id, wanted) if wanted else {}
+        return [self._hit(ui, c, row, texts, mems, qvec, near) for c, row in picked]
 
-    def _hit(self, ui: UserIndex, c: _Cand, row, texts: dict[int, Message], mems: dict[int, Memory], qvec) -> Hit:
+    def _looped(self, tenant_id: str, user_id: str, ui: UserIndex) -> set[int]:
+        """Replies the loop detector cut, kept per user and topped up from the turns recorded
+        since (a second of ids back: another replica's turn may land just below the newest)."""
+        with self._lock(tenant_id, user_id):
+            got, top = self.archive.looped_since(tenant_id, user_id, max(0, ui.turns_seen - LOOKBACK_IDS))
+            ui.looped |= got
+            ui.turns_seen = max(ui.turns_seen, top)
+            return set(ui.looped)
+
+    def _hit(self, ui: UserIndex, c: _Cand, row, texts: dict[int, Message], mems: dict[int, Memory], qvec,
+             near: dict[int, Message]) -> Hit:
         found = sorted(c.ranks, key=_LABELS.index)
         if c.kind == _MEMORY:
             m = mems[c.row_id]
@@ -611,7 +655,27 @@ class Recall:
             vid = ui.vid_of((_MESSAGE, msg.id, chunk, _VIEW_TEXT))
             sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
         return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
-                   0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name)
+                   0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name,
+                   context=_neighbour_text(msg, near.get(msg.id)))
+
+
+def _neighbour_step(text: str) -> int:
+    """Which neighbour a recalled turn needs to be understood: a question, the turn that
+    answers it (+1); a short reply, the turn it answers (-1); a turn that stands alone, none."""
+    text = text.strip()
+    if text.endswith("?"):
+        return 1
+    return -1 if len(text.split()) <= NEIGHBOUR_WORDS else 0
+
+
+def _neighbour_text(msg: Message, other: Message | None) -> str | None:
+    if other is None:
+        return None
+    said = " ".join(other.text.split())
+    said = said if len(said) <= NEIGHBOUR_CHARS else said[:NEIGHBOUR_CHARS].rsplit(" ", 1)[0] + " ..."
+    if other.id < msg.id:
+        return f'in reply to {other.name}: "{said}"' if other.name else f'in reply to: "{said}"'
+    return f'{other.name} answered: "{said}"' if other.name else f'answered: "{said}"'
 
 
 def _all_vectors(index) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import calendar
 import re
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -58,6 +59,47 @@ class TimeWindow:
         return self.since <= t < self.until
 
 
+@dataclass(frozen=True)
+class Anchor:
+    """Time told by another event: "the week after her trip to Lisbon". `relation` is after
+    or before, `days` how far the window reaches from the event, `phrase` the event's words
+    (found by a search of its own, whose best hit dates it)."""
+
+    relation: str
+    days: int
+    phrase: str
+
+    def window(self, event: datetime) -> TimeWindow:
+        day = _day(event)
+        if self.relation == "after":
+            return TimeWindow(day, day + timedelta(days=self.days + 1), f"{self.relation} {self.phrase}")
+        return TimeWindow(day - timedelta(days=self.days), day + timedelta(days=1), f"{self.relation} {self.phrase}")
+
+
+_ANCHOR = re.compile(r"\b(?:(?:in|during|over)\s+)?(?:the\s+)?(?:(?:first|next|few|couple\s+of)\s+)?"
+                     r"(day|days|week|weeks|weekend|month|months)?\s*"
+                     r"(after|before|following|prior\s+to|ahead\s+of|in\s+the\s+run-up\s+to)\s+"
+                     r"([^?.!;,]+)", re.I)
+_ANCHOR_SPAN = {"day": 2, "days": 7, "week": 8, "weeks": 21, "weekend": 4, "month": 31, "months": 92, None: 14}
+# words that do not name an event ("before the current one", "after that", "after all")
+_NOT_EVENT = frozenset("the a an her his their my your our its this that these those then now current one ones "
+                       "all last next previous first time times it them him me us you".split())
+
+
+def parse_anchor(text: str) -> Anchor | None:
+    """An event the question dates things by ("after getting back from Lisbon", "the week
+    before her wedding"), or None. Dates and relative phrases are `parse_time`'s."""
+    m = _ANCHOR.search(text)
+    if m is None:
+        return None
+    phrase = " ".join(m.group(3).split())
+    if not [w for w in re.findall(r"[^\W\d_]+", phrase.lower()) if w not in _NOT_EVENT]:
+        return None
+    unit = m.group(1).lower() if m.group(1) else None
+    relation = "after" if m.group(2).lower() in ("after", "following") else "before"
+    return Anchor(relation, _ANCHOR_SPAN[unit], phrase)
+
+
 def _day(t: datetime) -> datetime:
     return t.replace(hour=0, minute=0, second=0, microsecond=0)
 
@@ -75,12 +117,30 @@ def _month_span(year: int, month: int, part: str | None) -> tuple[datetime, date
     return start, end
 
 
-def _explicit(phrase: str, now: datetime) -> datetime | None:
-    import dateparser
+_DATEPARSER = threading.Lock()  # its first parse builds shared tables
+_warming: threading.Thread | None = None
 
-    got = dateparser.parse(phrase, languages=["en"], settings={
-        "RELATIVE_BASE": now.replace(tzinfo=None), "PREFER_DATES_FROM": "past", "RETURN_AS_TIMEZONE_AWARE": False})
+
+def _explicit(phrase: str, now: datetime) -> datetime | None:
+    with _DATEPARSER:
+        import dateparser
+
+        got = dateparser.parse(phrase, languages=["en"], settings={
+            "RELATIVE_BASE": now.replace(tzinfo=None), "PREFER_DATES_FROM": "past", "RETURN_AS_TIMEZONE_AWARE": False})
     return None if got is None else got.replace(tzinfo=UTC)
+
+
+def warm_up() -> None:
+    """Import dateparser and parse one date in a background thread, once per process: its
+    first parse costs ~0.2 s (seconds on a loaded machine), which would otherwise land on the
+    first question that names a date."""
+    global _warming
+    with _DATEPARSER:
+        if _warming is not None:
+            return
+        _warming = threading.Thread(target=_explicit, args=("7 May 2023", datetime(2023, 6, 1, tzinfo=UTC)),
+                                    name="dateparser-warm-up", daemon=True)
+    _warming.start()
 
 
 def parse_time(text: str, now: datetime) -> TimeWindow | None:
