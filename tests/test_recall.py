@@ -376,6 +376,11 @@ def test_a_short_reply_comes_with_its_question_and_a_question_with_its_answer(st
     from agentmem.assemble import memory_line
 
     assert memory_line(reply).endswith('"The cello!" (in reply to Tom: "What did you end up buying at the flea market?")\n')
+    # the hot-segment precompute builds the same line, so its chunk-KV key is the one the prompt uses
+    from agentmem.reflect import hot_segments
+
+    store.record_turn("default", "alice", reply.session_id, {"memories_used": [{"ref": reply.ref}]})
+    assert [seg.text for seg in hot_segments(store, "default", "alice", 1)] == [memory_line(reply)]
     long = next(h for h in store.search("default", "alice", "weather awful", k=3, retrievers=("lexical",))
                 if h.id == ids["Same here, the weather was awful"])
     assert long.context == 'in reply to Tom: "Pretty quiet, mostly slept haha"'

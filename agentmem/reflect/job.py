@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -29,7 +29,7 @@ from ..compress import BudgetPolicy, Compressor, compress_memory
 from ..engine import Segment
 from ..tiers import Hit, Memory, MemoryStore, Message
 from ..tiers.archive import DEFAULT_BLOCK_LIMIT
-from ..tiers.recall import chunk_text
+from ..tiers.recall import chunk_text, neighbour_contexts
 from .checkpoint import Checkpoints
 from .facts import Fact, ModelExtractor, about_user, pattern_facts, same_value, sentences, slot_of
 
@@ -329,7 +329,7 @@ def _hit(item: Memory | Message, chunk: int = 0) -> Hit:
         pieces = chunk_text(item.text)
         compressed = item.compressed_text if len(pieces) == 1 else None
         return Hit(item.id, "message", pieces[chunk], 0.0, 0.0, item.time, [item.id], item.role,
-                   item.session_id, 0.5, chunk, compressed)
+                   item.session_id, 0.5, chunk, compressed, name=item.name)  # the speaker: part of the line
     return Hit(item.id, item.kind, item.text, 0.0, 0.0, item.time, list(item.source_ids),
                importance=item.importance, compressed_text=item.compressed_text)
 
@@ -357,6 +357,8 @@ def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int, compr
             msg = messages[int(row_id)]
             if int(chunk or 0) < len(chunk_text(msg.text)):
                 hits.append(_hit(msg, int(chunk or 0)))
+    near = neighbour_contexts(store.archive, tenant_id, user_id, list(messages.values()))
+    hits = [replace(h, context=near.get(h.id)) if h.kind == "message" else h for h in hits]
     chosen = {h.ref for h in hits}
     for m in sorted(active.values(), key=lambda m: (-m.importance, -m.id)):
         if f"memory:{m.id}" not in chosen:

@@ -623,12 +623,8 @@ class Recall:
             if pq.asks_when and _DATES.search(msg.text):
                 c.score *= WHEN_BOOST
         picked = _diverse(head, k, lambda cr: cr[1].session_id if isinstance(cr[1], MessageMeta) else None)
-        wanted = []
-        for c, _ in picked:
-            msg = texts.get(c.row_id) if c.kind == _MESSAGE else None
-            if msg is not None and (step := _neighbour_step(msg.text)):
-                wanted.append((msg.id, msg.session_id, step))
-        near = self.archive.neighbours(tenant_id, user_id, wanted) if wanted else {}
+        near = neighbour_contexts(self.archive, tenant_id, user_id,
+                                  [texts[c.row_id] for c, _ in picked if c.kind == _MESSAGE and c.row_id in texts])
         return [self._hit(ui, c, row, texts, mems, qvec, near) for c, row in picked]
 
     def _looped(self, tenant_id: str, user_id: str, ui: UserIndex) -> set[int]:
@@ -641,7 +637,7 @@ class Recall:
             return set(ui.looped)
 
     def _hit(self, ui: UserIndex, c: _Cand, row, texts: dict[int, Message], mems: dict[int, Memory], qvec,
-             near: dict[int, Message]) -> Hit:
+             near: dict[int, str]) -> Hit:
         found = sorted(c.ranks, key=_LABELS.index)
         if c.kind == _MEMORY:
             m = mems[c.row_id]
@@ -656,7 +652,7 @@ class Recall:
             sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
         return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
                    0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name,
-                   context=_neighbour_text(msg, near.get(msg.id)))
+                   context=near.get(msg.id))
 
 
 def _neighbour_step(text: str) -> int:
@@ -668,14 +664,21 @@ def _neighbour_step(text: str) -> int:
     return -1 if len(text.split()) <= NEIGHBOUR_WORDS else 0
 
 
-def _neighbour_text(msg: Message, other: Message | None) -> str | None:
-    if other is None:
-        return None
-    said = " ".join(other.text.split())
-    said = said if len(said) <= NEIGHBOUR_CHARS else said[:NEIGHBOUR_CHARS].rsplit(" ", 1)[0] + " ..."
-    if other.id < msg.id:
-        return f'in reply to {other.name}: "{said}"' if other.name else f'in reply to: "{said}"'
-    return f'{other.name} answered: "{said}"' if other.name else f'answered: "{said}"'
+def neighbour_contexts(archive: Archive, tenant_id: str, user_id: str, messages: list[Message]) -> dict[int, str]:
+    """`Hit.context` for each of these messages that needs one: the neighbour turn, as the
+    text the prompt shows beside it. Recall and the hot-segment precompute (reflect) both
+    call this, so a message's prompt line, and so its chunk-KV key, is the same in both."""
+    wanted = [(m.id, m.session_id, step) for m in messages if (step := _neighbour_step(m.text))]
+    near = archive.neighbours(tenant_id, user_id, wanted) if wanted else {}
+    out = {}
+    for mid, other in near.items():
+        said = " ".join(other.text.split())
+        said = said if len(said) <= NEIGHBOUR_CHARS else said[:NEIGHBOUR_CHARS].rsplit(" ", 1)[0] + " ..."
+        if other.id < mid:
+            out[mid] = f'in reply to {other.name}: "{said}"' if other.name else f'in reply to: "{said}"'
+        else:
+            out[mid] = f'{other.name} answered: "{said}"' if other.name else f'answered: "{said}"'
+    return out
 
 
 def _all_vectors(index) -> tuple[np.ndarray, np.ndarray]:
