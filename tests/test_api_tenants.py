@@ -403,8 +403,10 @@ def test_a_plain_request_whose_client_left_stops_generating(engine, embedder, tm
     store, keys, server = _serve(engine, embedder, tmp_path, max_tokens=400)
     with server:
         c = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {keys['acme'][1]}"}, timeout=1.5)
+        # end-of-sequence banned (logit_bias), so the reply runs to its 400 tokens, far past the
+        # client's 1.5 s on any machine (a quick model may otherwise answer in under a second)
         body = {"messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
-                "max_tokens": 400}
+                "max_tokens": 400, "logit_bias": {str(t): -100 for t in engine.eos_ids}}
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/chat/completions", json=body)
 
