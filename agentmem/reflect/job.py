@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -323,13 +323,13 @@ def _engine_reuse(engine) -> KVPrecompute | None:
     return get_reuse(engine)
 
 
-def _hit(item: Memory | Message, chunk: int = 0) -> Hit:
+def _hit(item: Memory | Message, chunk: int = 0, context: str | None = None) -> Hit:
     """The recall hit a stored memory or message comes back as (what `memory_line` reads)."""
     if isinstance(item, Message):
         pieces = chunk_text(item.text)
         compressed = item.compressed_text if len(pieces) == 1 else None
         return Hit(item.id, "message", pieces[chunk], 0.0, 0.0, item.time, [item.id], item.role,
-                   item.session_id, 0.5, chunk, compressed, name=item.name)  # the speaker: part of the line
+                   item.session_id, 0.5, chunk, compressed, name=item.name, context=context)  # as recall builds it
     return Hit(item.id, item.kind, item.text, 0.0, 0.0, item.time, list(item.source_ids),
                importance=item.importance, compressed_text=item.compressed_text)
 
@@ -347,6 +347,7 @@ def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int, compr
     active = {f"memory:{m.id}": m for m in store.list_memories(tenant_id, user_id, status="active")}
     message_ids = {int(r.split(":")[1].split("#")[0]) for r in uses if r.startswith("message:")}
     messages = {m.id: m for m in store.archive.messages(tenant_id, user_id, ids=message_ids)} if message_ids else {}
+    near = neighbour_contexts(store.archive, tenant_id, user_id, list(messages.values()))
     hits: list[Hit] = []
     for ref, _ in uses.most_common():
         kind, _, rest = ref.partition(":")
@@ -356,9 +357,7 @@ def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int, compr
         elif kind == "message" and int(row_id) in messages:
             msg = messages[int(row_id)]
             if int(chunk or 0) < len(chunk_text(msg.text)):
-                hits.append(_hit(msg, int(chunk or 0)))
-    near = neighbour_contexts(store.archive, tenant_id, user_id, list(messages.values()))
-    hits = [replace(h, context=near.get(h.id)) if h.kind == "message" else h for h in hits]
+                hits.append(_hit(msg, int(chunk or 0), near.get(msg.id)))
     chosen = {h.ref for h in hits}
     for m in sorted(active.values(), key=lambda m: (-m.importance, -m.id)):
         if f"memory:{m.id}" not in chosen:

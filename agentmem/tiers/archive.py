@@ -409,16 +409,8 @@ class Archive:
 
     def turns_before(self, tenant_id: str, user_id: str, first: dict[str, int]) -> dict[str, R.Message]:
         """For each session id, the message just before message id `first[session]` in it."""
-        out = {}
-        with self.tx() as s:
-            for session_id, before in first.items():
-                row = s.scalars(select(MessageRow).where(
-                    MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
-                    MessageRow.session_id == session_id, MessageRow.id < before)
-                    .order_by(MessageRow.id.desc()).limit(1)).first()
-                if row is not None:
-                    out[session_id] = _message(row)
-        return out
+        near = self.neighbours(tenant_id, user_id, [(before, sid, -1) for sid, before in first.items()])
+        return {sid: near[before] for sid, before in first.items() if before in near}
 
     def neighbours(self, tenant_id: str, user_id: str, wanted: Iterable[tuple[int, str, int]]) -> dict[int, R.Message]:
         """For each (message id, session id, step): the message just before it in its session
