@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 
+import anyio
 from starlette.concurrency import run_in_threadpool
 
 from ..tiers.sizes import IDEMPOTENCY_KEY_CHARS
@@ -77,29 +78,34 @@ class Idempotency:
 
         start: dict = {}
         chunks: list[bytes] = []
-        kept = False
+        settled = False  # the key is kept (a 2xx) or freed (anything else)
 
         async def capture(message):
-            # the answer is stored before its last byte is sent: a client that retries the
-            # moment it has the answer must find it kept, not still claimed (a 409)
-            nonlocal kept
+            # the key is settled before the answer's last byte is sent: a client that retries
+            # the moment it has the answer must find it kept (a replay) or freed (a fresh run),
+            # never still claimed (a 409) or claimed by the refused body (a 422)
+            nonlocal settled
             if message["type"] == "http.response.start":
                 start.update(message)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
                 status = start.get("status", 500)
-                if not message.get("more_body") and 200 <= status < 300:
-                    content_type = dict(start.get("headers") or ()).get(b"content-type", b"application/json")
-                    await run_in_threadpool(archive.finish_idempotency_key, tenant, key, status,
-                                            content_type.decode("latin-1"), b"".join(chunks))
-                    kept = True
+                if not message.get("more_body"):
+                    if 200 <= status < 300:
+                        content_type = dict(start.get("headers") or ()).get(b"content-type", b"application/json")
+                        await run_in_threadpool(archive.finish_idempotency_key, tenant, key, status,
+                                                content_type.decode("latin-1"), b"".join(chunks))
+                    else:
+                        await run_in_threadpool(archive.release_idempotency_key, tenant, key)
+                    settled = True
             await send(message)
 
         try:
             await self.app(scope, replay_receive, capture)
         finally:
-            if not kept:
-                await run_in_threadpool(archive.release_idempotency_key, tenant, key)
+            if not settled:  # the app failed before answering in full
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(archive.release_idempotency_key, tenant, key)
 
 
 def _chat_user(body: bytes) -> str | None:
