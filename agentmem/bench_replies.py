@@ -121,48 +121,68 @@ def _valid(doc, schema) -> bool:
     return True
 
 
+def usable(calls: list[dict], content: str | None, finish: str, tools: dict | None, schema: dict | None) -> bool:
+    """Whether a client can use the reply: with `tools`, one or more calls, each of a given
+    tool with arguments that match its schema; with `schema`, content that parses and matches
+    it. A reply that max_tokens cut ("length") is never usable: the openai SDK's `parse()`
+    raises on it, and its calls may not be all the model meant to make."""
+    if finish == "length":
+        return False
+    if tools is not None:
+        return bool(calls) and all(c["function"]["name"] in tools and _valid(
+            json.loads(c["function"]["arguments"]), tools[c["function"]["name"]]) for c in calls)
+    try:
+        return content is not None and _valid(json.loads(content), schema)
+    except json.JSONDecodeError:
+        return False
+
+
 def structured_figures(engine, max_tokens: int) -> dict[bool, dict]:
-    """Tool calls and JSON replies planned as the chat API plans them, each decoded with and
-    then without the grammar (the same system prompt and seed; interleaved, so both see the
-    same machine load): grammar on/off -> figures."""
-    from .api.reply_format import parse_calls, plan
+    """Tool calls and JSON replies planned, sampled and read back as the chat API does (its
+    sampling defaults, its reading of calls and finish reasons), each decoded with and then
+    without the grammar (the same system prompt and seed; interleaved, so both see the same
+    machine load): grammar on/off -> figures."""
+    from .api.reply_format import plan, read_reply
     from .api.schemas import ChatCompletionRequest
+    from .engine.sampler import with_defaults
 
     tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, REMIND)}
     cases = [(text, {"tools": [WEATHER, REMIND], "tool_choice": "required"}, None) for text in TOOL_ASKS]
     cases += [(text, {"response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}},
                schema) for text, schema in JSON_ASKS]
     ok: dict[bool, dict[str, list[bool]]] = {g: {"tool": [], "json": []} for g in (True, False)}
+    finishes: dict[bool, dict[str, int]] = {True: {}, False: {}}
+    calls_made: dict[bool, list[int]] = {True: [], False: []}
     tokens = {True: 0, False: 0}
     seconds = {True: 0.0, False: 0.0}
     for i, (text, fields, schema) in enumerate(cases):
         fmt = plan(ChatCompletionRequest(messages=[{"role": "user", "content": text}], **fields), engine.grammars)
         msgs = [{"role": "system", "content": fmt.system}, {"role": "user", "content": text}]
         for grammar in (True, False):
-            g = engine.generate(engine.chat_segments(msgs), max_tokens=max_tokens, seed=i,
-                                grammar=fmt.grammar if grammar else None, **engine.sampling_defaults)
+            params = with_defaults(engine.sampling_defaults, max_tokens=max_tokens, seed=i,
+                                   grammar=fmt.grammar if grammar else None)
+            g = engine.generate(engine.chat_segments(msgs), params)
             tokens[grammar] += g.stats.completion_tokens
             seconds[grammar] += g.stats.total_s - g.stats.ttft_s
+            calls, content, finish = read_reply(g.text, fmt, g.stats.finish_reason)
+            finishes[grammar][finish] = finishes[grammar].get(finish, 0) + 1
             if schema is None:
-                calls, cut = parse_calls(g.text, fmt)
-                ok[grammar]["tool"].append(bool(calls) and not cut and all(
-                    c["function"]["name"] in tools
-                    and _valid(json.loads(c["function"]["arguments"]), tools[c["function"]["name"]]) for c in calls))
-            else:
-                try:
-                    ok[grammar]["json"].append(_valid(json.loads(g.text), schema))
-                except json.JSONDecodeError:
-                    ok[grammar]["json"].append(False)
-            print(f"  {'grammar' if grammar else 'free   '} {g.text[:80]!r}", file=sys.stderr)
+                calls_made[grammar].append(len(calls))
+            ok[grammar]["json" if schema else "tool"].append(
+                usable(calls, content, finish, None if schema else tools, schema))
+            print(f"  {'grammar' if grammar else 'free   '} {finish:<10} {g.text[:80]!r}", file=sys.stderr)
     return {g: {"tool_call_valid_rate": sum(ok[g]["tool"]) / len(ok[g]["tool"]),
                 "json_schema_valid_rate": sum(ok[g]["json"]) / len(ok[g]["json"]),
-                "tokens_per_s": tokens[g] / seconds[g] if seconds[g] else 0.0} for g in (True, False)}
+                "tokens_per_s": tokens[g] / seconds[g] if seconds[g] else 0.0,
+                "finish_reasons": finishes[g], "tool_calls_per_reply": calls_made[g]} for g in (True, False)}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="agentmem bench replies", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--structured-max-tokens", type=int, default=96,
+                    help="max_tokens of the tool-call and JSON replies")
     ap.add_argument("--users", type=int, default=3)
     ap.add_argument("--facts", type=int, default=5)
     ap.add_argument("--dtype", default="auto")
@@ -187,10 +207,12 @@ def main(argv: list[str]) -> int:
     for name, (overrides, sampling) in SAMPLINGS.items():
         print(f"sampling {name}: {overrides} {sampling}", file=sys.stderr)
         out["samplings"][name] = sampling_figures(engine, config, overrides, sampling, workload, args.max_tokens)
-    figs = structured_figures(engine, 96)
+    figs = structured_figures(engine, args.structured_max_tokens)
     on, off = figs[True], figs[False]
-    for key in ("tool_call_valid_rate", "json_schema_valid_rate", "tokens_per_s"):
+    for key in ("tool_call_valid_rate", "json_schema_valid_rate", "tokens_per_s", "finish_reasons",
+                "tool_calls_per_reply"):
         out[key] = {"grammar": on[key], "no_grammar": off[key]}
+    out["structured_max_tokens"] = args.structured_max_tokens
     out |= {"defaults": engine.sampling_defaults, "copy_guard_ngram": config.copy_guard_ngram,
             "prompt_replies": config.prompt_replies, "max_tokens": args.max_tokens,
             "grammar_first_use_s": trie_s, "model": engine.model_id, "dtype": str(engine.dtype).removeprefix("torch."),

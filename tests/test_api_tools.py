@@ -8,12 +8,9 @@ import json
 
 import httpx
 import pytest
+from _serve import serve
 from jsonschema import validate
 from openai import BadRequestError, OpenAI
-
-from agentmem.api import Limits, create_app, create_tenant_with_key
-from agentmem.api.local import LocalServer
-from agentmem.tiers.store import MemoryStore
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -28,14 +25,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 @pytest.fixture(scope="module")
 def oa(engine, embedder, tmp_path_factory):
-    data = tmp_path_factory.mktemp("tools")
-    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": None, "kv_disk_dir": data / "chunks"})
-    store = MemoryStore(cfg, embedder=embedder)
-    _, key = create_tenant_with_key(store, "acme")
-    limits = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=96, rate_per_minute=10_000)
-    with LocalServer(create_app(cfg, engine=engine, store=store, limits=limits)) as server:
-        yield OpenAI(base_url=server.url + "/v1", api_key=key)
-    store.close()
+    with serve(engine, embedder, tmp_path_factory.mktemp("tools"), ui=True, max_body_bytes=64_000,
+               max_message_chars=4000, max_tokens=96, rate_per_minute=10_000) as s:
+        yield OpenAI(base_url=s.url + "/v1", api_key=s.keys["acme"][1])
 
 
 def _args_valid(call, tool) -> dict:
@@ -203,3 +195,28 @@ def test_remembered_turn_with_a_schema(oa):
                                    response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
     validate(json.loads(r.choices[0].message.content), schema)
     assert httpx.codes.OK
+
+
+def test_a_call_that_max_tokens_cuts_is_never_sent_and_says_length(oa):
+    kw = dict(model="agentmem", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=6,
+              temperature=0)
+    choice = oa.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None and choice.message.content is None  # no half call, no raw tags
+    chunks = [c for c in oa.chat.completions.create(stream=True, **kw) if c.choices]
+    assert not any(c.choices[0].delta.tool_calls or c.choices[0].delta.content for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_the_bench_counts_only_what_a_client_can_use():
+    from agentmem.bench_replies import usable
+
+    tools = {"f": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    bad = {**call, "function": {"name": "f", "arguments": '{"a": "x"}'}}
+    assert usable([call], None, "tool_calls", tools, None)
+    assert not usable([call], None, "length", tools, None)  # cut: the SDK's parse() refuses it
+    assert not usable([call, bad], None, "tool_calls", tools, None) and not usable([], "hi", "stop", tools, None)
+    schema = {"type": "object", "required": ["a"]}
+    assert usable([], '{"a": 1}', "stop", None, schema) and not usable([], '{"a": 1', "length", None, schema)
+    assert not usable([], '{"b": 1}', "stop", None, schema)

@@ -203,3 +203,63 @@ def test_copy_guard_keeps_a_reply_from_repeating_an_earlier_one(engine):
     assert len(first) >= 3 and not grams(first) & grams(again)
     with pytest.raises(InvalidSampling, match="copy_ngram"):
         SamplingParams(copy_ngram=1).validate()
+
+
+def _literal(n: int) -> str:
+    return " ".join(f"w{i}" for i in range(n))
+
+
+def test_a_grammar_list_ends_at_a_whole_item_when_another_would_not_fit(engine):
+    item = _literal(6)
+    g = Grammar(f'start: item ("\\n" item){{0,5}}\nitem: "{item}"')
+    end_down = {t: -100.0 for t in engine.eos_ids}  # the model would go on as long as it may
+    n = len(engine.encode(item))
+    r = engine.generate("List:", max_tokens=2 * n + 4, grammar=g, logit_bias=end_down, temperature=0.0)
+    # after two items fewer tokens are left than the longest item took: ended, whole
+    assert r.stats.finish_reason == "budget" and r.text == item + "\n" + item
+
+
+def test_max_tokens_inside_a_further_item_rolls_back_to_the_last_whole_one(engine):
+    g = Grammar(f'start: "ok" ("\\n" "{_literal(20)}")?')
+    end_down = {t: -100.0 for t in engine.eos_ids}
+    stream = engine.stream("Say:", max_tokens=8, grammar=g, logit_bias=end_down, temperature=0.0, logprobs=True)
+    pieces = list(stream)
+    r = stream.result
+    assert r.stats.finish_reason == "length" and r.text == "ok"  # never half an item after whole ones
+    assert "".join(pieces) == "ok"  # nothing was streamed that the roll-back removed
+    assert len(r.logprobs) == len(r.token_ids) == r.stats.completion_tokens
+
+
+def test_where_a_grammar_may_end_what_it_forbids_goes_to_the_end(engine):
+    from agentmem.api.reply_format import CALL_CLOSE, CALL_OPEN
+
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}},
+            "required": ["name", "arguments"]}
+    eos = sorted(engine.eos_ids)
+    newline, word = engine.encode("\n")[0], engine.encode("Hello")[0]
+    for bias, ends in ((None, True), ({t: -100.0 for t in eos}, False)):
+        m = engine.grammars.matcher(Grammar.choice([call], CALL_OPEN, CALL_CLOSE, most=4))
+        for t in engine.encode(f'{CALL_OPEN}{{"name":"f","arguments":{{}}}}{CALL_CLOSE}'):
+            m.consume(t)
+        x = torch.full((engine.model.args.vocab_size,), -20.0)
+        x[newline], x[word] = 2.0, 5.0  # prose is what the model wants; the grammar forbids it
+        for t in eos:
+            x[t] = 0.0 + (bias or {}).get(t, 0.0)
+        m.mask(x, bias)
+        assert math.isinf(x[word]) and (max(float(x[t]) for t in eos) > x[newline]) == ends
+    one = engine.grammars.matcher(Grammar.choice([call], CALL_OPEN, CALL_CLOSE, most=1))
+    for t in engine.encode(f'{CALL_OPEN}{{"name":"f","arguments":{{}}}}{CALL_CLOSE}'):
+        one.consume(t)
+    assert one.done  # one call allowed: the reply ends as it closes
+
+
+def test_default_penalties_stay_off_grammar_bound_replies():
+    from agentmem.engine.sampler import with_defaults
+
+    defaults = {"temperature": 0.2, "frequency_penalty": 0.3, "presence_penalty": 0.3}
+    free = with_defaults(defaults, max_tokens=8)
+    bound = with_defaults(defaults, max_tokens=8, grammar=Grammar.json_object())
+    asked = with_defaults(defaults, max_tokens=8, grammar=Grammar.json_object(), frequency_penalty=0.5)
+    assert (free.frequency_penalty, free.presence_penalty) == (0.3, 0.3)
+    assert (bound.frequency_penalty, bound.presence_penalty, bound.temperature) == (0.0, 0.0, 0.2)
+    assert asked.frequency_penalty == 0.5

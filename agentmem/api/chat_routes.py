@@ -20,7 +20,7 @@ from ..engine.weights import DEFAULT_MODEL_ID
 from .chat import TurnResult, now
 from .deps import Caller, caller, services
 from .disconnect import until_disconnected
-from .reply_format import CallReader, ReplyFormat, parse_calls
+from .reply_format import CallReader, ReplyFormat, ending, read_reply
 from .schemas import (
     AssistantMessage,
     CacheStats,
@@ -70,10 +70,8 @@ def _logprobs(r: TurnResult, svc) -> dict | None:
 
 
 def _message(text: str, r: TurnResult, fmt: ReplyFormat) -> tuple[AssistantMessage, str]:
-    calls, cut = parse_calls(text, fmt)
-    if calls:
-        return AssistantMessage(content=None, tool_calls=calls), "length" if cut else "tool_calls"
-    return AssistantMessage(content=text), r.finish_reason
+    calls, content, finish = read_reply(text, fmt, r.engine_finish or r.finish_reason)
+    return AssistantMessage(content=content, tool_calls=calls or None), finish
 
 
 @router.post("/chat/completions", response_model=ChatCompletion,
@@ -153,14 +151,12 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
                 reader.rest = ""
         r = result()
         m.observe_generation(tenant_id, r.prompt_tokens, r.completion_tokens, r.reused_tokens, r.ttft_s)
-        finish = r.finish_reason
-        last, cut = reader.finish()
+        last, _ = reader.finish()
         for call in last:
             yield _chunk(cid, model, {"tool_calls": [{"index": len(reader.calls) - 1, **call}]})
-        if reader.calls:
-            finish = "length" if cut else "tool_calls"
-        elif reader.rest:
-            yield _chunk(cid, model, {"content": reader.rest})
+        content, finish = ending(reader, r.engine_finish or r.finish_reason)
+        if content:
+            yield _chunk(cid, model, {"content": content})
         lp = _logprobs(r, svc)
         yield _chunk(cid, model, {}, finish, lp, session_id=r.session_id, agentmem=_extras(r).model_dump())
         if req.stream_options and req.stream_options.include_usage:

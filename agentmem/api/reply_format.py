@@ -164,6 +164,7 @@ class CallReader:
         self.rest = ""  # what is not (yet) a complete call: all of it, once the reply is prose
         self.prose = not fmt.may_call
         self._stuck = False  # a closed call that is none (no grammar: a remote engine)
+        self.cut = False  # text that is no call left after the calls (cut short by max_tokens)
 
     def feed(self, text: str) -> list[dict]:
         """Read `text`; the calls it completed."""
@@ -197,7 +198,8 @@ class CallReader:
         if call is None:
             if not self.calls:  # never a call after all
                 self.prose = True
-            return [], bool(self.calls)
+            self.cut = bool(self.calls)
+            return [], self.cut
         self.rest = ""
         if _repeats(call, self.calls):
             return [], False
@@ -220,6 +222,32 @@ def _call(body: str, fmt: ReplyFormat) -> dict | None:
         return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": doc["name"], "arguments": json.dumps(doc["arguments"])}}
+
+
+def ending(reader: CallReader, engine_finish: str) -> tuple[str | None, str]:
+    """How a reply that may hold tool calls ends for the client, once `reader` has read all
+    of it and `finish()`ed: (text still to send as content, or None; OpenAI's finish_reason).
+
+    Complete calls end in "tool_calls", or in "length" where max_tokens cut the reply: under
+    the grammar the engine rolls such a reply back to its last whole call, so what is sent
+    is whole, and "length" says the model was not done (the openai SDK's `parse()` refuses
+    a "length" reply; an agent may still run the calls it got). A call that max_tokens cut
+    before it closed is never sent, neither as a call nor as text: no content, "length"."""
+    finish = "length" if engine_finish == "length" else "stop"
+    if reader.calls:
+        return None, "length" if reader.cut or finish == "length" else "tool_calls"
+    if finish == "length" and reader.rest.lstrip().startswith(CALL_OPEN):
+        return None, "length"
+    return reader.rest, finish
+
+
+def read_reply(text: str, fmt: ReplyFormat, engine_finish: str) -> tuple[list[dict], str | None, str]:
+    """A whole reply as the chat API sends it back: (tool calls, content, finish_reason)."""
+    reader = CallReader(fmt)
+    reader.feed(text)
+    reader.finish()
+    content, finish = ending(reader, engine_finish)
+    return reader.calls, content, finish
 
 
 def parse_calls(text: str, fmt: ReplyFormat) -> tuple[list[dict] | None, bool]:

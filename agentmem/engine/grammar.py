@@ -16,6 +16,7 @@ its token trie (~2.5 s here, once per process).
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import dataclass
 
@@ -51,7 +52,9 @@ class Grammar:
         ordinary answer, the model decides)."""
         body = json.dumps(_compact({"anyOf": schemas} if len(schemas) > 1 else schemas[0]))
         call = " ".join(x for x in (json.dumps(prefix) if prefix else "", "value", json.dumps(suffix) if suffix else "") if x)
-        calls = "call" if most == 1 else f'call ("\\n" call){{0,{most - 1}}}'
+        # several calls: a line each, and the line after the last may end the reply (the model
+        # ends a line before it ends its turn; the grammar must not read that as "one more")
+        calls = "call" if most == 1 else f'call ("\\n" call){{0,{most - 1}}} "\\n"?'
         lines = [f"start: {'calls | TEXT' if or_text else 'calls'}", f"calls: {calls}", f"call: {call}",
                  f"value: %json {body}"]
         if or_text:
@@ -104,23 +107,40 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(self.tokenizer, grammar.lark, log_level=0)
         if m.is_error():
             raise InvalidGrammar(f"invalid grammar or schema: {m.get_error()}")
-        return Matcher(m, self.vocab_size)
+        return Matcher(m, self.vocab_size, self._eos)
 
 
 class Matcher:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_ids: list[int] | None = None):
         import llguidance.torch as lt
 
         self._m = matcher
         self._lt = lt
         self._mask = lt.allocate_token_bitmask(1, vocab_size)
+        self._eos = list(eos_ids or [])
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] with every token the grammar forbids next set to -inf (in place)."""
+    def mask(self, logits: torch.Tensor, bias: dict[int, float] | None = None) -> torch.Tensor:
+        """logits [V] with every token the grammar forbids next set to -inf (in place).
+
+        Where the reply may end here but need not (a closed tool call in a list that allows
+        more), what the model gives to tokens the grammar forbids goes to end-of-sequence:
+        a model that would rather write anything but another call ends the reply, instead of
+        being pushed into one more by the renormalisation over the tokens that may follow.
+        `bias`: the request's logit_bias; a bias on end-of-sequence applies to that share too
+        (a caller who pushes the end down gets more items)."""
+        end = bool(self._eos) and self._m.is_accepting() and not self._m.is_stopped()
+        before = torch.logsumexp(logits, -1) if end else None
         self._lt.fill_next_token_bitmask(self._m, self._mask, 0)
         self._lt.apply_token_bitmask_inplace(logits[None], self._mask)
+        if end:
+            eos = max(self._eos, key=lambda t: float(logits[t]))
+            if math.isfinite(float(logits[eos])):  # the grammar lets the reply end here
+                allowed = torch.logsumexp(logits, -1)
+                if allowed < before:
+                    forbidden = before + torch.log1p(-torch.exp(allowed - before))
+                    logits[eos] = torch.logaddexp(logits[eos], forbidden + (bias or {}).get(eos, 0.0))
         return logits
 
     def consume(self, token: int) -> None:

@@ -86,9 +86,18 @@ class SamplingParams:
                 and not (self.copy_ngram and self.copy_sources))
 
 
+PROSE_PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 def with_defaults(defaults: dict, **given) -> SamplingParams:
     """SamplingParams from a model's defaults (engine.sampling_defaults), the caller's
-    non-None values on top: None means "what the model recommends"."""
+    non-None values on top: None means "what the model recommends". Under a grammar the
+    default repetition penalties are left out (ones the caller sets still apply): they are
+    there to keep prose from looping, and a JSON value must repeat its quotes, keys and
+    braces; penalised, a string's closing quote grows less likely with every quote before
+    it, and a tool call's argument runs on until max_tokens cuts it."""
+    if given.get("grammar") is not None:
+        defaults = {k: v for k, v in defaults.items() if k not in PROSE_PENALTIES}
     return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
 
 

@@ -43,6 +43,10 @@ class Sequence:
     matcher: object | None = None  # grammar.Matcher when params.grammar is set
     loops: LoopDetector = field(default_factory=LoopDetector)
     loop_ban: set[int] = field(default_factory=set)  # tokens of a cycle a grammar-bound reply fell into
+    # under a grammar: where the reply last could have ended (tokens, characters; 0 before any
+    # such point) and the longest stretch between two such points (one item: a tool call)
+    complete_at: tuple[int, int] = (0, 0)
+    longest_item: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     _prompt_set: torch.Tensor | None = None
     copies: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # sampler.copy_index of the params
