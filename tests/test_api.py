@@ -13,24 +13,20 @@ import types
 
 import httpx
 import pytest
+from _serve import serve
 from openai import OpenAI
 
-from agentmem.api import Limits, create_app, create_tenant_with_key
-from agentmem.api.local import LocalServer
+from agentmem.api import create_tenant_with_key
 from agentmem.config import Config
 from agentmem.tiers.store import MemoryStore
 
 
 @pytest.fixture(scope="module")
 def api(engine, embedder, tmp_path_factory):
-    data = tmp_path_factory.mktemp("api")  # chunk KV of deleted tenants is dropped from here, not the user's cache
-    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": None, "kv_disk_dir": data / "chunks"})
-    store = MemoryStore(cfg, embedder=embedder)
-    keys = {name: create_tenant_with_key(store, name) for name in ("acme", "globex")}
-    limits = Limits(max_body_bytes=64_000, max_message_chars=4000, max_tokens=64, rate_per_minute=10_000)
-    with LocalServer(create_app(cfg, engine=engine, store=store, limits=limits)) as server:
-        yield server.url, keys, store
-    store.close()
+    # chunk KV of deleted tenants is dropped from the test's data dir, not the user's cache
+    with serve(engine, embedder, tmp_path_factory.mktemp("api"), tenants=("acme", "globex"), ui=True,
+               max_body_bytes=64_000, max_message_chars=4000, max_tokens=64, rate_per_minute=10_000) as s:
+        yield s.url, s.keys, s.store
 
 
 def client(api, tenant="acme") -> httpx.Client:
@@ -154,18 +150,14 @@ def test_auth_limits_and_errors_are_clear_4xx(api):
 
 
 def test_rate_limit_per_tenant(engine, embedder, tmp_path):
-    cfg = Config(data_dir=tmp_path, dtype="float32", device="cpu")
-    store = MemoryStore(cfg, embedder=embedder)
-    (_, k1), (_, k2) = create_tenant_with_key(store, "one"), create_tenant_with_key(store, "two")
-    with LocalServer(create_app(cfg, engine=engine, store=store, limits=Limits(rate_per_minute=3), ui=False)) as s:
-        one = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {k1}"})
+    with serve(engine, embedder, tmp_path, tenants=("one", "two"), rate_per_minute=3) as s:
+        one = s.client("one")
         codes = [one.get("/v1/users").status_code for _ in range(5)]
         assert codes[:3] == [200] * 3 and codes[3:] == [429, 429]
         r = one.get("/v1/users")
         assert r.json()["error"]["type"] == "rate_limit_error" and int(r.headers["Retry-After"]) >= 1
-        two = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {k2}"})
+        two = s.client("two")
         assert two.get("/v1/users").status_code == 200  # another tenant's budget is its own
-    store.close()
 
 
 def test_metrics_health_docs_and_tenant_delete(api, embedder, engine):
@@ -253,16 +245,13 @@ def test_concurrent_chats_share_engine_steps_unless_serial(engine, embedder, tmp
     forward steps together than one after another (the `serial` server, the bench's peer)."""
     steps = {}
     for serial in (False, True):
-        cfg = engine.config.model_copy(update={"data_dir": tmp_path / str(serial), "db_url": None})
-        store = MemoryStore(cfg, embedder=embedder)
-        _, key = create_tenant_with_key(store, "steps")
-        app = create_app(cfg, engine=engine, store=store, limits=Limits(rate_per_minute=0), ui=False, serial=serial)
-        with LocalServer(app) as s:
+        with serve(engine, embedder, tmp_path / str(serial), tenants=("steps",), serial=serial,
+                   rate_per_minute=0) as s:
+            key = s.keys["steps"][1]
             _concurrent_chats(s.url, key, 1, "warm")  # embedder and loop warm, user rows exist
             before = engine.loop.steps
             done = _concurrent_chats(s.url, key, 4, "u")
             steps[serial] = engine.loop.steps - before
-        store.close()
         assert [d["status"] for d in done] == [200] * 4
         tokens = sum(d["body"]["usage"]["completion_tokens"] for d in done)
         if serial:  # one sequence per step: at least one decode step per generated token
@@ -313,10 +302,9 @@ def test_real_chunk_cache_is_dropped_with_its_tenant(embedder, tmp_path):
                  kv_ram_bytes=2 << 20)  # a small RAM tier: chunks spill to disk too
     engine = Engine.load(cfg)
     reuse = get_reuse(engine)
-    store = MemoryStore(cfg, embedder=embedder)
-    tid, key = create_tenant_with_key(store, "kvreal")
-    with LocalServer(create_app(cfg, engine=engine, store=store, limits=Limits(rate_per_minute=0), ui=False)) as s:
-        c = httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    with serve(engine, embedder, tmp_path, tenants=("kvreal",), rate_per_minute=0) as s:
+        tid = s.keys["kvreal"][0]
+        c = s.client("kvreal")
         c.post("/v1/users/kim/memories", json={"text": "Kim grows tomatoes on her balcony."}).raise_for_status()
         for q in ("What do I grow?", "Where do I grow it?"):
             r = c.post("/v1/chat/completions", json={"user": "kim", "max_tokens": 4,
@@ -327,7 +315,6 @@ def test_real_chunk_cache_is_dropped_with_its_tenant(embedder, tmp_path):
         assert "agentmem_kv_chunk_hit_ratio" in metrics and "agentmem_kv_chunk_ram_bytes" in metrics
         assert reuse.stats()["entries"] > 0 and any((tmp_path / "chunks").rglob("*.kv"))
         assert c.delete("/v1/tenant").status_code == 200
-    store.close()
     assert reuse.drop_namespace(tid) == 0  # nothing of the tenant was left to drop
     assert reuse.stats()["entries"] == 0 and not any((tmp_path / "chunks").rglob("*.kv"))
 
@@ -336,15 +323,10 @@ def test_two_replicas_on_postgresql_share_tenants_and_memory(engine, embedder, p
     """Two servers, each with its own recall index directory, on one PostgreSQL: a key made
     on one works on the other, and memory written through either is recalled through the
     other (its index is rebuilt from the shared archive)."""
-    stores, servers = [], []
-    for name in ("a", "b"):
-        cfg = engine.config.model_copy(update={"data_dir": tmp_path / name, "db_url": pg_url})
-        stores.append(MemoryStore(cfg, embedder=embedder))
-        servers.append(LocalServer(create_app(cfg, engine=engine, store=stores[-1], limits=Limits(rate_per_minute=0),
-                                              ui=False)).__enter__())
-    try:
-        _, key = create_tenant_with_key(stores[0], "pg")
-        a, b = (httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) for s in servers)
+    with serve(engine, embedder, tmp_path / "a", db_url=pg_url, tenants=("pg",), rate_per_minute=0) as one, \
+            serve(engine, embedder, tmp_path / "b", db_url=pg_url, tenants=(), rate_per_minute=0) as two:
+        key = one.keys["pg"][1]
+        a, b = (httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) for s in (one, two))
         first = a.post("/v1/users/pat/memories", json={"text": "Pat's bike is a red Bianchi."}).json()["id"]
         hits = b.post("/v1/users/pat/search", json={"query": "What bike does Pat ride?", "k": 1}).json()["data"]
         assert hits[0]["ref"] == f"memory:{first}"
@@ -357,11 +339,6 @@ def test_two_replicas_on_postgresql_share_tenants_and_memory(engine, embedder, p
         sid = r.json()["session_id"]
         assert [m["role"] for m in a.get(f"/v1/users/pat/sessions/{sid}/messages").json()["data"]] == \
             ["user", "assistant"]
-    finally:
-        for srv in servers:
-            srv.__exit__(None, None, None)
-        for st in stores:
-            st.close()
 
 
 def test_bench_measure_reports_each_request(api):

@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
+from _serve import serve
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
-
-from agentmem.api import Limits, create_app, create_tenant_with_key
-from agentmem.api.local import LocalServer
-from agentmem.tiers.store import MemoryStore
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(engine, embedder, tmp_path_factory):
-    data = tmp_path_factory.mktemp("fuzz")
-    cfg = engine.config.model_copy(update={"data_dir": data, "db_url": None, "kv_disk_dir": data / "chunks"})
-    store = MemoryStore(cfg, embedder=embedder)
-    _, key = create_tenant_with_key(store, "fuzz")
-    store.add_memory(_, "u", "A seeded memory so that ids 1.. exist.")
-    limits = Limits(max_body_bytes=20_000, max_message_chars=400, max_tokens=4, rate_per_minute=0)
-    with LocalServer(create_app(cfg, engine=engine, store=store, limits=limits, ui=False)) as server:
-        yield server.url, key
-    store.close()
+    with serve(engine, embedder, tmp_path_factory.mktemp("fuzz"), tenants=("fuzz",), max_body_bytes=20_000,
+               max_message_chars=400, max_tokens=4, rate_per_minute=0) as s:
+        tid, key = s.keys["fuzz"]
+        s.store.add_memory(tid, "u", "A seeded memory so that ids 1.. exist.")
+        yield s.url, key
 
 
 def test_no_server_errors(fuzz_server):
