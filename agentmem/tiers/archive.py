@@ -313,6 +313,18 @@ class Archive:
             s.flush()
             return self._session_info(s, row)
 
+    def session_tail(self, tenant_id: str, user_id: str, session_id: str, after_id: int) -> tuple[int, int] | None:
+        """(how many, newest id) of a session's messages after `after_id`, from the index on
+        (session_id, id), so it costs what follows `after_id`, not the whole session; None
+        when the session does not exist (its user was deleted)."""
+        with self.tx() as s:
+            if s.get(SessionRow, (tenant_id, user_id, session_id)) is None:
+                return None
+            n, top = s.execute(select(func.count(), func.max(MessageRow.id)).where(
+                MessageRow.session_id == session_id, MessageRow.id > after_id,
+                MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id)).one()
+            return int(n or 0), int(top or 0)
+
     def list_sessions(self, tenant_id: str, user_id: str) -> list[R.SessionInfo]:
         with self.tx() as s:
             rows = s.scalars(select(SessionRow).where(SessionRow.tenant_id == tenant_id, SessionRow.user_id == user_id)
@@ -387,12 +399,24 @@ class Archive:
                                                                MessageRow.user_id == user_id)))
 
     def message_stats(self, tenant_id: str, user_id: str) -> tuple[int, int]:
-        """(count, newest id) of the user's messages: what the recall index checks itself against
-        on every use, in one indexed query however long the history is."""
+        """(count, newest id) of the user's messages. The count reads every row of the user's
+        index entries: the recall index checks it only now and then (`message_bounds` on
+        every use)."""
         with self.tx() as s:
             n, top = s.execute(select(func.count(), func.max(MessageRow.id)).where(
                 MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id)).one()
             return int(n or 0), int(top or 0)
+
+    def message_bounds(self, tenant_id: str, user_id: str, after_id: int) -> tuple[int, int, int]:
+        """(oldest id, newest id, how many after `after_id`) of the user's messages: each a
+        walk down the index on (tenant, user, id) to one end or over the ids after `after_id`,
+        so the cost does not grow with the history (0, 0, 0: none)."""
+        scope = (MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id)
+        with self.tx() as s:
+            low = s.scalar(select(func.min(MessageRow.id)).where(*scope))
+            top = s.scalar(select(func.max(MessageRow.id)).where(*scope))
+            recent = s.scalar(select(func.count()).select_from(MessageRow).where(*scope, MessageRow.id > after_id))
+            return int(low or 0), int(top or 0), int(recent or 0)
 
     def message_meta(self, tenant_id: str, user_id: str, ids: Iterable[int]) -> dict[int, MessageMeta]:
         """What ranking needs of candidate messages (no text): session, role, speaker, time."""
@@ -429,16 +453,17 @@ class Archive:
 
     def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
                        exclude: Iterable[int] = (), since: datetime | None = None,
-                       until: datetime | None = None, what: str = "messages") -> list[tuple[int, float]]:
+                       until: datetime | None = None, what: str = "messages",
+                       speakers: list[str] | None = None) -> list[tuple[int, float]]:
         """(id, score) of messages (or active memories, `what="memories"`) from the database's
         own full-text index, best first: FTS5's bm25 on SQLite, `ts_rank_cd` over
         `websearch_to_tsquery` on PostgreSQL. `terms` are plain words (`query.content_terms`);
-        any of them may match."""
+        any of them may match. `speakers`: only messages by these names (None: anyone's)."""
         if what not in ("messages", "memories"):
             raise ValueError(f"what must be 'messages' or 'memories', got {what!r}")
         with self.tx() as s:
             return lexical.search(s, tenant_id, user_id, terms, limit, list(exclude), to_db_time(since),
-                                  to_db_time(until), what)
+                                  to_db_time(until), what, speakers)
 
     def purge_fulltext(self) -> None:
         """Merge the full-text indexes so deleted rows' terms leave their pages (SQLite keeps

@@ -7,7 +7,9 @@ Vectors are L2-normalised float32, so an inner-product FAISS index ranks by cosi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,8 +31,17 @@ def default_model_dir() -> Path:
 class Embedder:
     """A thin, thread-safe wrapper: texts in, normalised [N, dim] float32 out."""
 
-    def __init__(self, model):
+    def __init__(self, model, bulk_threads: int | None = None, bulk_nice: int = 0):
         self.model = model
+        self.bulk_threads = bulk_threads  # threads for bulk embedding (None: as the caller has)
+        # Bulk turns run on one worker thread of their own at a lower OS priority (`nice`):
+        # the gate already lets one bulk turn run at a time, and when the cores are busy the
+        # kernel then gives a query, a prompt assembly or the engine's forward the CPU first,
+        # while on an idle machine indexing still runs at full speed. A pooled request thread
+        # cannot be niced instead: raising its priority back needs a privilege.
+        self.bulk_nice = bulk_nice
+        self._bulk_worker: ThreadPoolExecutor | None = None
+        self._worker_lock = threading.Lock()
         dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
         self.dim = int(dim())
         self.bulk = FairGate()
@@ -49,27 +60,77 @@ class Embedder:
         quick = sum(map(len, texts)) <= QUICK_CHARS
         lane = self.quick if quick else self.bulk
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        with _half_threads(not quick):
-            for batch in _turns([len(texts[i]) for i in order]):
-                idx = [order[i] for i in batch]
-                with lane.turn(owner, sum(min(len(texts[i]), TURN_CHARS) for i in idx) + 100):
-                    out[idx] = self.model.encode([texts[i] for i in idx], batch_size=BATCH, normalize_embeddings=True,
-                                                 convert_to_numpy=True, show_progress_bar=False)
+        for batch in _turns([len(texts[i]) for i in order]):
+            idx = [order[i] for i in batch]
+            with lane.turn(owner, sum(min(len(texts[i]), TURN_CHARS) for i in idx) + 100):
+                out[idx] = self._run(quick, self._encode, [texts[i] for i in idx])
         return out
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        return self.model.encode(texts, batch_size=BATCH, normalize_embeddings=True, convert_to_numpy=True,
+                                 show_progress_bar=False)
+
+    def _run(self, quick: bool, fn: Callable[[list[str]], np.ndarray], texts: list[str]) -> np.ndarray:
+        """A query on the caller's thread; a bulk turn on the bulk worker (when `bulk_nice`),
+        with `bulk_threads` threads."""
+        if quick:
+            return _released(fn, texts)
+        worker = self._worker()
+        if worker is None:
+            with _threads(self.bulk_threads):
+                return _released(fn, texts)
+
+        def bulk() -> np.ndarray:
+            with _threads(self.bulk_threads):
+                return _released(fn, texts)
+
+        return worker.submit(bulk).result()
+
+    def _worker(self) -> ThreadPoolExecutor | None:
+        if self.bulk_nice <= 0 or not hasattr(os, "setpriority"):
+            return None
+        with self._worker_lock:
+            if self._bulk_worker is None:
+                self._bulk_worker = ThreadPoolExecutor(1, "agentmem-bulk-embed", initializer=_lower_priority,
+                                                       initargs=(self.bulk_nice,))
+            return self._bulk_worker
+
+
+def _released(fn: Callable[[list[str]], np.ndarray], texts: list[str]) -> np.ndarray:
+    """fn(texts), then this thread's OpenMP worker pool freed: once libgomp manages more
+    threads than there are cores it stops spinning between parallel regions, and an idle
+    pool left behind here halved the engine loop's decode on 2 cores (58 -> 29 tok/s with two
+    such threads; engine/threads.py). The next call makes a new pool (tens of microseconds)."""
+    from ..engine.threads import release_omp_pool
+
+    try:
+        return fn(texts)
+    finally:
+        release_omp_pool()
+
+
+def _lower_priority(nice: int) -> None:
+    """This thread only (Linux: a thread id is a PRIO_PROCESS target); threads it starts, such
+    as its OpenMP workers, inherit it."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 @contextmanager
-def _half_threads(halve: bool) -> Iterator[None]:
-    """Bulk embedding (indexing long histories) runs on half the cores, in this thread only
-    (torch's thread count is per thread): the engine's forwards and other tenants' queries
-    keep the rest while a flood of long messages is indexed."""
-    if not halve:
-        yield
-        return
+def _threads(n: int | None) -> Iterator[None]:
+    """Bulk embedding (indexing long histories) on `n` threads, in this thread only (torch's
+    thread count is per thread): under `serve`, half the cores, so the engine's forwards and
+    other tenants' queries keep the rest while a flood of long messages is indexed."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, before // 2))
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(max(1, n))
     try:
         yield
     finally:
@@ -90,7 +151,8 @@ def _turns(lengths: list[int]) -> list[list[int]]:
     return runs
 
 
-def load_embedder(path: Path | str | None = None, dtype: str = "auto") -> Embedder:
+def load_embedder(path: Path | str | None = None, dtype: str = "auto", bulk_threads: int | None = None,
+                  bulk_nice: int = 0) -> Embedder:
     """Load the embedder on the CPU (it is small; the GPU is kept for the LLM). `dtype` auto:
     bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX: ~2x the texts per second, vectors
     within cosine 0.998 of fp32), float32 elsewhere (emulated bf16 is slower there)."""
@@ -108,7 +170,7 @@ def load_embedder(path: Path | str | None = None, dtype: str = "auto") -> Embedd
     model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
     if dtype == "bfloat16" or (dtype == "auto" and cpu_has_bf16()):
         model.to(torch.bfloat16)
-    embedder = Embedder(model)
+    embedder = Embedder(model, bulk_threads, bulk_nice)
     # the first call sets the tokenizer's padding and truncation; later calls, the two lanes'
     # at once included, find them set and only read them
     embedder.embed(["warm up"])

@@ -68,8 +68,12 @@ def _pg_query(terms: list[str]) -> str:
     return " or ".join(t.replace('"', "").replace("-", " ") for t in terms)
 
 
-def _filters(exclude: list[int], since, until, timed: bool) -> tuple[str, dict]:
+def _filters(exclude: list[int], since, until, timed: bool, speakers: list[str] | None = None) -> tuple[str, dict]:
     sql, params = "", {}
+    if speakers is not None:
+        names = [f"n{i}" for i in range(len(speakers))]
+        sql += f" AND m.name IN ({', '.join(':' + n for n in names)})" if names else " AND 1 = 0"
+        params.update(zip(names, speakers, strict=True))
     if exclude:
         names = [f"x{i}" for i in range(len(exclude))]
         sql += f" AND m.id NOT IN ({', '.join(':' + n for n in names)})"
@@ -85,14 +89,16 @@ def _filters(exclude: list[int], since, until, timed: bool) -> tuple[str, dict]:
 
 
 def search(s, tenant_id: str, user_id: str, terms: list[str], limit: int, exclude: list[int],
-           since: datetime | None, until: datetime | None, what: str = "messages") -> list[tuple[int, float]]:
+           since: datetime | None, until: datetime | None, what: str = "messages",
+           speakers: list[str] | None = None) -> list[tuple[int, float]]:
     """(row id, score) of `what` ("messages" or active "memories"), best first; scores are
-    larger-is-better on both databases."""
+    larger-is-better on both databases. `speakers`: only messages by these names."""
     if not terms or limit <= 0:
         return []
     fts = "message_fts" if what == "messages" else "memory_fts"
     table = _SPECS[fts][0]
-    extra, params = _filters(exclude if what == "messages" else [], since, until, timed=True)
+    extra, params = _filters(exclude if what == "messages" else [], since, until, timed=True,
+                             speakers=speakers if what == "messages" else None)
     if what == "memories":
         extra += " AND m.status = 'active'"
     params.update(tenant=tenant_id, user=user_id, limit=limit)

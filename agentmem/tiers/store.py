@@ -31,6 +31,7 @@ class MemoryStore:
         self.archive = Archive(self.config.resolved_db_url(), self.config.db_sync)
         self._embedder = embedder
         self._embedder_lock = threading.Lock()
+        self.embed_bulk_threads = self.config.embed_bulk_threads or None  # None: every core
         url_key = hashlib.sha256(self.archive.url.encode()).hexdigest()[:16]
         self.recall = Recall(self.archive, self.embedder_instance, self.config.data_dir / "recall" / url_key,
                              cache_bytes=self.config.recall_cache_mb << 20)
@@ -42,8 +43,16 @@ class MemoryStore:
             if self._embedder is None:
                 from .embed import load_embedder
 
-                self._embedder = load_embedder(self.config.embed_model_path, self.config.embed_dtype)
+                self._embedder = load_embedder(self.config.embed_model_path, self.config.embed_dtype,
+                                               self.embed_bulk_threads, self.config.embed_bulk_nice)
             return self._embedder
+
+    def set_bulk_threads(self, n: int | None) -> None:
+        """Threads that indexing may use from now on (None: every core)."""
+        self.embed_bulk_threads = n
+        with self._embedder_lock:
+            if self._embedder is not None and hasattr(self._embedder, "bulk_threads"):
+                self._embedder.bulk_threads = n
 
     def close(self) -> None:
         self.recall.close()
