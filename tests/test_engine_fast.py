@@ -121,6 +121,40 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(tiny_path):
     assert got_three == [drive(e, eager, [p], 64)[0] for p in three]
 
 
+def test_compile_auto_times_both_paths_per_bucket_and_keeps_the_faster(tiny_path, monkeypatch):
+    """compile=auto on the CPU: a compiled bucket's first steps alternate compiled and eager,
+    TRIALS each, then the bucket keeps the one whose best step was faster; the tokens are
+    eager's greedy ones whichever path ran."""
+    from agentmem.engine import compiled as compiled_mod
+
+    e = load(tiny_path, dtype="float32", compile="auto")
+    loop = EngineLoop(e)
+    c = loop.runner.compiled
+    assert c.measure  # compile=on does not measure (the test above)
+    c.background = False
+    ran = []
+    run = c.run
+    monkeypatch.setattr(c, "run", lambda *a, **k: ran.append("compiled") or run(*a, **k))
+    got = drive(e, loop, [ids(30, seed=1)], 24)
+    assert c.chosen.keys() == {(1, 256)}
+    n = compiled_mod.TRIALS
+    assert ran.count("compiled") >= n  # it ran compiled for its trials, and after them if it won
+    eager = EngineLoop(e)
+    eager.runner.compiled = None
+    assert got == drive(e, eager, [ids(30, seed=1)], 24)
+    # the rule itself, on made-up timings: alternate, then the faster by its best step
+    b = (2, 512)
+    picks = []
+    for t_c, t_e in ((5.0, 3.0), (4.0, 9.0), (6.0, 3.5)):
+        picks += [c.prefer(b)]
+        c.record(b, True, t_c)
+        picks += [c.prefer(b)]
+        c.record(b, False, t_e)
+    assert picks == [True, False] * 3 and c.chosen[b] is False and not c.prefer(b)  # 4.0 compiled vs 3.0 eager
+    c.record(b, True, 0.1)  # decided: later steps do not reopen it
+    assert c.chosen[b] is False
+
+
 def test_a_compile_failure_falls_back_to_eager_and_says_why(tiny_path, tmp_path, caplog, monkeypatch):
     e = load(tiny_path, dtype="float32", compile="on", cache_dir=tmp_path)
     loop = EngineLoop(e)

@@ -17,6 +17,14 @@ keys are masked. Each bucket compiles once; inductor keeps the result on disk un
 Compilation runs in a background thread (the loop decodes eagerly meanwhile), one bucket at
 a time as the loop first needs it. A compile that raises, or runs past `timeout_s`, leaves the
 engine on the eager path, and says why (logged, and in `failed`).
+
+Compiled is not always faster: the padded KV width costs attention over up to twice the keys,
+and the four products are the same library calls either way. On the 2-core Intel Xeon VM
+with AMX (bf16, session 9) one stream decoded at 26.7 tok/s compiled against 30.3 eager; on
+the AMD EPYC VM before, 14.4 against 14.2. So with `measure` (compile=auto on the CPU) the
+first steps of each bucket alternate the two paths, TRIALS timed steps each, and the bucket
+keeps the faster by its best step (`prefer`, `record`; the choice is logged and kept in
+`chosen`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from .model import Transformer
 log = logging.getLogger("agentmem.engine")
 
 BATCHES = (1, 2, 4, 8, 16)
+TRIALS = 3  # timed decode steps of each path per bucket before the faster one is kept
 # inductor's disk cache is one per process (an environment setting it reads at each compile):
 # the cache dir's unless the user named one before agentmem ran
 _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -87,8 +96,11 @@ class CompiledDecode:
     """Compiled decode steps of one model over one KV pool; see the module docstring."""
 
     def __init__(self, model: Transformer, pool: KVPool, cache_dir: Path, timeout_s: float = 600.0,
-                 mode: str | None = None, background: bool = True):
+                 mode: str | None = None, background: bool = True, measure: bool = False):
         a = model.args
+        self.measure = measure
+        self.chosen: dict[tuple[int, int], bool] = {}  # bucket -> compiled (True) or eager, once measured
+        self._trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self.model, self.pool, self.timeout_s, self.background = model, pool, timeout_s, background
         self.shape = (a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.norm_eps)
         self.layers = [
@@ -135,6 +147,28 @@ class CompiledDecode:
             return None
         self.compile(bucket)
         return bucket if bucket in self.ready else None
+
+    def prefer(self, bucket: tuple[int, int]) -> bool:
+        """Whether this step of a compiled bucket runs compiled: always without `measure`;
+        with it, the paths alternate until each has TRIALS timed steps, then the faster."""
+        if not self.measure:
+            return True
+        if bucket in self.chosen:
+            return self.chosen[bucket]
+        compiled, eager = self._trials.setdefault(bucket, ([], []))
+        return len(compiled) <= len(eager)
+
+    def record(self, bucket: tuple[int, int], compiled: bool, seconds: float) -> None:
+        """One timed step of `bucket` on one path (see `prefer`)."""
+        if not self.measure or bucket in self.chosen:
+            return
+        times = self._trials.setdefault(bucket, ([], []))
+        times[0 if compiled else 1].append(seconds)
+        if min(map(len, times)) >= TRIALS:
+            fast, slow = min(times[0]), min(times[1])
+            self.chosen[bucket] = fast <= slow
+            log.info("agentmem: decode bucket %s runs %s (best step %.1f ms compiled, %.1f ms eager)", bucket,
+                     "compiled" if fast <= slow else "eager", fast * 1e3, slow * 1e3)
 
     def _fail(self, reason: str) -> None:
         self.failed = reason

@@ -21,6 +21,7 @@ from ..config import Config
 from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
+from .kernels import cpu_gemv
 from .kernels.reference import sdpa
 from .layers import visible
 from .linear import resolve_weights
@@ -28,6 +29,7 @@ from .loop import EngineLoop
 from .model import Transformer, load_transformer
 from .sampler import SamplingParams
 from .sequence import Sequence
+from .threads import release_omp_pool
 from .tokenizer import ChatFormat, chat_format, load_tokenizer, stop_ids
 from .weights import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -218,6 +220,8 @@ class Engine(ChatText):
         dense = {"bf16": "bfloat16", "fp32": "float32"}
         dtype = pick_dtype(dense.get(config.weights, "auto") if config.dtype == "auto" else config.dtype, device)
         path = resolve_model_dir(config.model_path, config.cache_dir)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            cpu_gemv.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
         model = load_transformer(path, dtype, device)
         a = model.args
         weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, (2 * a.hidden_dim, a.dim),
@@ -300,6 +304,8 @@ class Engine(ChatText):
             shareable=not planned,
             matcher=matcher,
         )
+        # the caller waits now: its OpenMP workers would only slow the loop's (engine/threads.py)
+        release_omp_pool()
         loop.submit(seq)
         return GenerationStream(seq)
 

@@ -22,6 +22,7 @@ from .model_runner import ModelRunner
 from .sampler import penalize, sample_row, top_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
+from .threads import release_omp_pool
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -77,6 +78,9 @@ class EngineLoop:
         torch.set_num_threads(torch.get_num_threads())
         while True:
             if not self.scheduler.has_work():
+                # idle: this thread's OpenMP workers would only slow the threads that work now
+                # (another engine's loop, the embedder; engine/threads.py)
+                release_omp_pool()
                 self.scheduler.add(self._inbox.get())
             while True:
                 try:
@@ -166,7 +170,7 @@ class EngineLoop:
             if banned:
                 x[list(banned)] -= 100.0  # not -inf: a grammar may allow nothing else
         if seq.matcher is not None:
-            seq.matcher.mask(x)
+            seq.matcher.mask(x, p.logit_bias)
         return sample_row(x, p, seq.generator)
 
     def _advance(self, seq: Sequence, tok: int) -> None:
@@ -193,13 +197,40 @@ class EngineLoop:
         if settled < len(seq.generated):
             head = e.decode(seq.generated[:settled])
             safe = min(safe, len(head) - _holdback(head, []))
+        complete = seq.matcher is not None and self._complete(seq)
+        if seq.matcher is not None and not complete and seq.complete_at[0]:
+            safe = min(safe, seq.complete_at[1])  # a further item is sent once it is whole
         if safe > seq.emitted:
             seq.out.put(text[seq.emitted : safe])
             seq.emitted = safe
+        left = seq.max_new - len(seq.generated)
         if seq.matcher is not None and seq.matcher.done:
             self._finish(seq, "stop")
-        elif len(seq.generated) >= seq.max_new:
+        elif complete and 0 < left < seq.longest_item:
+            self._finish(seq, "budget")  # another item as long as the longest would not fit
+        elif left <= 0:
+            if seq.matcher is not None and not complete and seq.complete_at[0]:
+                self._roll_back(seq, seq.complete_at[0])  # never a half item after whole ones
             self._finish(seq, "length")
+
+    @staticmethod
+    def _complete(seq: Sequence) -> bool:
+        """Whether a grammar-bound reply could end here (the grammar accepts it: a closed tool
+        call in a list that allows more, say); such points are remembered, with the longest
+        stretch between two of them, which is what one more item is expected to cost."""
+        if not seq.matcher.accepting:
+            return False
+        n = len(seq.generated)
+        seq.longest_item = max(seq.longest_item, n - seq.complete_at[0])
+        seq.complete_at = (n, len(seq.text))
+        return True
+
+    def _roll_back(self, seq: Sequence, n: int) -> None:
+        """Drop the generated tokens after the first `n` (and their text and logprobs)."""
+        del seq.token_ids[seq.prompt_len + n :]
+        if seq.logprobs:
+            del seq.logprobs[n:]
+        seq.text = self.engine.decode(seq.generated)
 
     def _looped(self, seq: Sequence, tok: int) -> bool:
         """Whether the reply just closed a repeated cycle. A free reply is cut to the text
@@ -211,10 +242,7 @@ class EngineLoop:
         if seq.matcher is not None:
             seq.loop_ban.update(seq.generated[keep:])
             return False
-        del seq.token_ids[seq.prompt_len + keep :]
-        if seq.logprobs:
-            del seq.logprobs[keep:]
-        seq.text = self.engine.decode(seq.generated)
+        self._roll_back(seq, keep)
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -239,8 +267,9 @@ class EngineLoop:
 
 
 def compiled_decode(engine: Engine, pool: KVPool) -> CompiledDecode | None:
-    """The compiled decode step the config asks for: `compile` auto (the CPU: on; CUDA: off,
-    its decode attention is the paged Triton kernel), on (CUDA: with CUDA graphs), off."""
+    """The compiled decode step the config asks for: `compile` auto (the CPU: on, each bucket
+    kept compiled only where its steps measure faster than eager; CUDA: off, its decode
+    attention is the paged Triton kernel), on (always compiled; CUDA: with CUDA graphs), off."""
     cfg = engine.config
     if cfg.compile not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, got {cfg.compile!r}")
@@ -248,7 +277,7 @@ def compiled_decode(engine: Engine, pool: KVPool) -> CompiledDecode | None:
     if cfg.compile == "off" or (cfg.compile == "auto" and cuda):
         return None
     return CompiledDecode(engine.model, pool, cfg.cache_dir, cfg.compile_timeout_s,
-                          mode="reduce-overhead" if cuda else None)
+                          mode="reduce-overhead" if cuda else None, measure=cfg.compile == "auto")
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

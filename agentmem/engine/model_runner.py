@@ -3,6 +3,7 @@ in the model's flat token layout, against the paged pool."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -112,16 +113,21 @@ class ModelRunner:
                 done.append(seq)
         decodes = [sc.seq for sc in batch if sc.n == 1]
         n_dec = len(decodes)
+        trial = None  # a compiled bucket whose eager step is being timed against it
         if n_dec == len(batch) and self.compiled is not None:
             lens = [s.num_computed + 1 for s in decodes]
             bucket = self.compiled.get(n_dec, max(lens))
-            if bucket is not None:
+            if bucket is not None and self.compiled.prefer(bucket):
+                t0 = time.perf_counter()
                 logits = self.compiled.run(bucket, self._tensor(ids), self._tensor(pos), self._tensor(slots),
                                            self._key_slots(decodes, lens, max(lens)), lens,
                                            self.model.args.sliding_window)
+                self.compiled.record(bucket, True, time.perf_counter() - t0)
                 for seq in decodes:
                     seq.num_computed += 1
                 return logits, done
+            if bucket is not None:
+                trial = (bucket, time.perf_counter())
         decode_attn = self._decode_attention(decodes) if n_dec else None
         chunks = []  # (row offset, n, start position, block table)
         row = n_dec
@@ -147,6 +153,8 @@ class ModelRunner:
             return out
 
         logits = self.model(self._tensor(ids), self._tensor(pos), attn, logits_at=self._tensor(rows))
+        if trial is not None:
+            self.compiled.record(trial[0], False, time.perf_counter() - trial[1])
         for sc in batch:
             sc.seq.num_computed += sc.n
         return logits, done
