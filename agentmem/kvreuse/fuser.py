@@ -198,9 +198,12 @@ def causal_bias(q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype
 def _attention_probs(q: torch.Tensor, k: torch.Tensor, bias: tuple[int, torch.Tensor]) -> torch.Tensor:
     """Exact causal attention weights (fp32) of queries q [Nq,H,hd] over keys k [T,KV,hd]:
     [KV, g*Nq, T], rows ordered (group, query) with g = H // KV (query head h uses KV head
-    h // g). `bias` is `causal_bias` of the queries (built once where the rows repeat)."""
-    qg = fold_heads(q.float() * q.shape[-1] ** -0.5, k.shape[1])
-    scores = torch.bmm(qg, k.float().permute(1, 2, 0))
+    h // g). `bias` is `causal_bias` of the queries (built once where the rows repeat).
+    The scores are multiplied in the keys' dtype (these weights only rank the cached tokens:
+    in bf16 that spares a float copy of every key at every layer, a third of the probe's
+    time) and the softmax is taken in fp32."""
+    qg = fold_heads(q.to(k.dtype) * q.shape[-1] ** -0.5, k.shape[1])
+    scores = torch.bmm(qg, k.permute(1, 2, 0)).float()
     first, b = bias
     scores[:, :, first:] += b
     return torch.softmax(scores, dim=-1)
@@ -222,7 +225,7 @@ def _attend_and_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and heads. Returns ([Nq,H,hd], [T])."""
     probs = _attention_probs(q, k, bias)
     out = unfold_heads(torch.bmm(probs.to(v.dtype), v.transpose(0, 1)), q.shape[0])
-    share = (probs.sum(1) * v.float().norm(dim=-1).T).sum(0)
+    share = (probs.sum(1) * torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).T).sum(0)
     return out, share
 
 
@@ -342,24 +345,38 @@ class _Drift:
         return _Drift(torch.cat(pos), torch.cat(group), torch.cat(ks, 1), torch.cat(vs, 1), token_group,
                       len(groups))
 
-    def bind(self, model: Transformer, rows: torch.Tensor, unsel: torch.Tensor) -> None:
+    def bind(self, model: Transformer, rows: torch.Tensor) -> None:
         """Fix, once the selection is made, what every layer's `apply` reuses: where the samples
-        are among the rows, each unselected token's group, and the RoPE tables at its position."""
+        are among the rows, each group's span of positions (first to last token: the tokens
+        of no group inside it are rows) and the RoPE tables there."""
         self.rows_at = torch.searchsorted(rows, self.pos)
         self.inv_count = (1.0 / torch.bincount(self.group, minlength=self.n_groups).float())[:, None, None]
-        self.unsel, self.unsel_group = unsel, self.token_group[unsel]
-        self.rotary, self.cos_sin = model.rotary, model.rotary.cos_sin(unsel)
+        self.spans = []
+        for g in range(self.n_groups):
+            at = (self.token_group == g).nonzero()[:, 0]
+            lo, hi = int(at[0]), int(at[-1]) + 1
+            cos, sin = model.rotary.cos_sin(torch.arange(lo, hi, device=at.device))
+            self.spans.append((lo, hi, cos[:, None, :], sin[:, None, :]))
 
     def apply(self, idx: int, k_raw: torch.Tensor, v: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
-        """Layer `idx`: given the rows' fresh K before RoPE and V, shift k_l / v_l at the
-        unselected tokens in place by their group's mean drift (K rotated to their positions)."""
+        """Layer `idx`: given the rows' fresh K before RoPE and V, shift k_l / v_l in place by
+        their group's mean drift, K rotated to each position (RoPE of a constant d at p is
+        d * cos(p) + swap(d) * sin(p), two broadcast multiply-adds per group). Every token of
+        a group's span is shifted, the rows too: the pass overwrites them with their fresh
+        K/V right after, and in-place slices cost far less than scattering into the others."""
         shape = (self.n_groups, *k_raw.shape[1:])
         r = self.rows_at
         dk = torch.zeros(shape, device=v.device).index_add_(0, self.group, (k_raw[r] - self.k_raw[idx]).float())
         dv = torch.zeros(shape, device=v.device).index_add_(0, self.group, (v[r] - self.v[idx]).float())
-        g = self.unsel_group
-        k_l.index_add_(0, self.unsel, self.rotary.apply((dk * self.inv_count)[g], self.unsel, self.cos_sin).to(k_l.dtype))
-        v_l.index_add_(0, self.unsel, (dv * self.inv_count)[g].to(v_l.dtype))
+        dk *= self.inv_count
+        dv *= self.inv_count
+        hd = dk.shape[-1]
+        swapped = dk.view(*shape[:-1], 2, hd // 2).flip(-2).view(shape)  # rotate-half's partner of each lane
+        for g, (lo, hi, cos, sin) in enumerate(self.spans):
+            k_g = k_l[lo:hi]
+            k_g.addcmul_(cos, dk[g])
+            k_g.addcmul_(sin, swapped[g])
+            v_l[lo:hi] += dv[g]
 
 
 def _pick(cached_idx: torch.Tensor, score: torch.Tensor, ratio: float, drift: _Drift | None) -> torch.Tensor:
@@ -451,7 +468,7 @@ def fuse(
         sel = torch.unique(torch.cat([picked[0], new_idx, last]))
         left = _unselected(cached, sel)
         if drifts is not None:
-            drifts.bind(model, sel, left)
+            drifts.bind(model, sel)
         return sel, (prefix if len(sel) == n_tok - prefix else None), left
 
     if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
