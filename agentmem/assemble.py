@@ -24,6 +24,14 @@ from .tiers.records import CoreBlock, Hit, Message
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this, a hit that only embeddings found is noise, not memory
+# A turn asks recall for this many times the notes it may show, and for NOTE_OVERFETCH times
+# more again (up to MAX_NOTE_HITS) while too few of the hits can become notes: some never do
+# (the assistant's own unnamed replies, repeats, weak embedding-only matches), and filtering
+# them out of only `recall_k` hits left the small model one note or none. In bench memory's
+# 8-fact workload, "Which town is home for me these days?" got ten replies that say "a good
+# way to spend the day" and no note at all.
+NOTE_OVERFETCH = 3
+MAX_NOTE_HITS = 100
 TURN_SHARE = 0.25  # a single message longer than this share of the budget is cut to it
 RECALL_HEADER = "Notes from our earlier conversations (oldest first; newer notes replace older ones):\n"
 QUESTION_HEADER = "\nUsing these notes, answer: "
@@ -84,6 +92,25 @@ def memory_line(hit: Hit, compressed: bool = False) -> str:
     return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
 
+def note_hits(hits: list[Hit]) -> list[Hit]:
+    """The hits that may become notes in a prompt, best first."""
+    out, seen = [], set()
+    for h in hits:
+        said = " ".join(h.text.split()).lower()
+        if said in seen:  # the same words said twice are one note
+            continue
+        if h.similarity < MIN_SIMILARITY and not {"lexical", "facts"} & set(h.retrievers):
+            continue  # only a weak embedding match: noise
+        if h.kind == "message" and h.role == "assistant" and not h.name:
+            # the small model's own earlier replies are unreliable, and as notes it copies
+            # them word for word instead of answering (seen in the demo); search still finds
+            # them. A named speaker's turn (an imported conversation) is a person's words.
+            continue
+        seen.add(said)
+        out.append(h)
+    return out
+
+
 class Assembler:
     """Builds a `Context` with the engine's chat format and token counter."""
 
@@ -122,25 +149,15 @@ class Assembler:
     def turn_cap(self) -> int:
         return max(16, int(TURN_SHARE * self.budget))
 
-    def select_memories(self, hits: list[Hit]) -> list[tuple[Hit, ContextSegment]]:
-        """Best-scored hits first until the recall share is used, then shown oldest first so
+    def select_memories(self, hits: list[Hit], limit: int | None = None) -> list[tuple[Hit, ContextSegment]]:
+        """Best-scored hits first until the recall share is used (or `limit` notes are
+        chosen; `hits` may hold more, for those filtered out), then shown oldest first so
         that a changed fact reads in the order it changed. The budget policy picks, per tier,
         the original or the stored compressed texts: originals while they fit (compression
         costs the 135M model accuracy), compressed ones, cheapest tier first, when they do not."""
         room = int(RECALL_SHARE * self.budget) - self.count(self.user_open + RECALL_HEADER + QUESTION_HEADER)
-        cands, seen = [], set()
-        for h in hits:
-            said = " ".join(h.text.split()).lower()
-            if said in seen:  # the same words said twice are one note
-                continue
-            if h.similarity < MIN_SIMILARITY and not {"lexical", "facts"} & set(h.retrievers):
-                continue  # only a weak embedding match: noise
-            if h.kind == "message" and h.role == "assistant" and not h.name:
-                # the small model's own earlier replies are unreliable, and as notes it copies
-                # them word for word instead of answering (seen in the demo); search still finds
-                # them. A named speaker's turn (an imported conversation) is a person's words.
-                continue
-            seen.add(said)
+        cands = []
+        for h in note_hits(hits)[:limit]:
             tier = self.policy_tier(h)
             lines = (memory_line(h), memory_line(h, compressed=True))
             n_orig = self.count(lines[0])

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from .assemble import RECALL_SHARE, Assembler, Context
+from .assemble import MAX_NOTE_HITS, NOTE_OVERFETCH, RECALL_SHARE, Assembler, Context, note_hits
 from .compress.policy import BudgetPolicy
 from .config import Config
 from .engine.sampler import with_defaults
@@ -169,9 +169,14 @@ class AgentSession:
         # messages compete in recall like older ones and come in as notes when relevant
         # (docs/replies.md, "Answering from memory").
         recent = list(working.queue) if self.config.prompt_replies else []
-        hits = self.store.search(self.tenant_id, self.user_id, text, k=self.config.recall_k,
-                                 exclude_messages={m.id for m in recent} | set(exclude))
-        memories = self.assembler.select_memories(hits)
+        want, k = self.config.recall_k, self.config.recall_k * NOTE_OVERFETCH
+        while True:
+            hits = self.store.search(self.tenant_id, self.user_id, text, k=k,
+                                     exclude_messages={m.id for m in recent} | set(exclude))
+            if len(note_hits(hits)) >= want or len(hits) < k or k >= MAX_NOTE_HITS:
+                break
+            k = min(MAX_NOTE_HITS, k * NOTE_OVERFETCH)
+        memories = self.assembler.select_memories(hits, limit=want)
         ctx = self.assembler.build(blocks, working.summary, memories, recent, text, namespace=self.tenant_id)
         return ctx, [m.id for m in evicted]
 

@@ -98,6 +98,28 @@ def test_recent_turns_without_their_replies_are_recalled_not_replayed(make):
     assert not [x for x in ctx.segments if x.tier == "recall" and "Bob" in x.text]  # not twice
 
 
+def test_replies_that_never_become_notes_do_not_take_the_notes_places(make):
+    """The assistant's own replies are found by search but never shown as notes: when they
+    fill the top hits, the prompt still gets the user's turns (a turn asks recall for more
+    hits than notes it may show), up to `recall_k` notes."""
+    s = make()
+    msgs = [{"role": "user", "content": "I live in Lisbon."}, {"role": "assistant", "content": "Noted."}]
+    for i in range(12):
+        msgs += [{"role": "user", "content": f"I read about topic number {i} yesterday."},
+                 {"role": "assistant", "content": f"What a good way to spend these days, home in town {i}!"}]
+    s.add_messages(msgs)
+    s2 = make()
+    question = "Which town is home for me these days?"
+    top = s2.search(question, k=s2.config.recall_k)
+    assert sum(h.role == "assistant" for h in top) >= 8  # the replies crowd the top hits
+    notes = [x.text for x in s2.context(question).segments if x.tier == "recall" and x.ref.startswith("message:")]
+    assert any("I live in Lisbon." in t for t in notes)
+    assert not any("good way to spend" in t for t in notes) and len(notes) <= s2.config.recall_k
+    s2.config = s2.config.model_copy(update={"recall_k": 1})  # hits asked for: 3, then 9, then 27
+    notes = [x.text for x in s2.context(question).segments if x.tier == "recall" and x.ref.startswith("message:")]
+    assert len(notes) == 1 and "I live in Lisbon." in notes[0]
+
+
 def test_eviction_folds_old_turns_into_the_summary(make):
     s = make(budget=600)
     msgs = [{"role": "user", "content": f"Note {i}: the meeting about topic {i} moved to room {100 + i}."}
