@@ -42,6 +42,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -650,30 +651,37 @@ class Recall:
         # the question and the event it is dated by, in one embedder call, outside the user's lock
         texts = [q.dense_text for q in (pq, event_pq) if q is not None] if dense else []
         vecs = self.embedder.embed(texts, owner=tenant_id) if texts else None
+        event = None
         if event_pq is not None:
-            event = self._fused(tenant_id, user_id, ui, event_pq, None if vecs is None else vecs[1:2], use,
-                                exclude, 1, None, None, conv_now, brief=True)
-            if event:  # the event's best hit dates it; the question's window is reckoned from there
-                pq = replace(pq, window=pq.anchor.window(event[0].time))
+            # the event's own search runs beside the question's retrievers, which do not need
+            # its date; only the question's time vote waits for it (a dated question cost two
+            # searches in a row: the p95 of search at 100,000 messages)
+            event = _EVENTS.submit(_released_pool, self._fused, tenant_id, user_id, ui, event_pq,
+                                   None if vecs is None else vecs[1:2], use, exclude, 1, None, None, conv_now,
+                                   brief=True)
         return self._fused(tenant_id, user_id, ui, pq, None if vecs is None else vecs[:1], use, exclude, k,
-                           since, until, now or conv_now)
+                           since, until, now or conv_now, event=event)
 
     def _fused(self, tenant_id: str, user_id: str, ui: UserIndex, pq: ParsedQuery, qvec: np.ndarray | None,
                use: set[str], exclude: frozenset, k: int, since: datetime | None, until: datetime | None,
-               now: datetime, brief: bool = False) -> list[Hit]:
+               now: datetime, brief: bool = False, event: Future | None = None) -> list[Hit]:
         """Candidates from every retriever in `use` and the votes, fused and ranked (`search`).
-        `brief`: the hits only, without their neighbour turns (a question's dating event)."""
+        `brief`: the hits only, without their neighbour turns (a question's dating event).
+        `event`: the search for the event the question is dated by (`pq.anchor`); its best
+        hit sets the time window, reckoned from there."""
         cands: dict[tuple[int, int], _Cand] = {}
         with self._lock(tenant_id, user_id):
             if qvec is not None and ui.index.ntotal:
                 self._dense(ui, qvec, use, exclude, cands, since, until)
         # the votes belong to the fusion: a single retriever asked for alone is that ranking only
         fused = len(use) > 1
+        if fused and pq.people:
+            self._vote("person", tenant_id, user_id, ui, qvec, pq, use, exclude, cands, since, until, pq.people)
+        if event is not None and (dated := event.result()):
+            pq = replace(pq, window=pq.anchor.window(dated[0].time))
         if fused and pq.window is not None and since is None and until is None:
             self._vote("time", tenant_id, user_id, ui, qvec, pq, use, exclude, cands,
                        pq.window.since - WINDOW_SLACK, pq.window.until + WINDOW_SLACK)
-        if fused and pq.people:
-            self._vote("person", tenant_id, user_id, ui, qvec, pq, use, exclude, cands, since, until, pq.people)
         if "lexical" in use:
             found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
             for rank, mid, share in _tied_ranks(found):
@@ -920,6 +928,22 @@ def neighbour_contexts(archive: Archive, tenant_id: str, user_id: str, messages:
         else:
             out[mid] = f'{other.name} answered: "{said}"' if other.name else f'answered: "{said}"'
     return out
+
+
+# the searches for the events dated questions name ("the week after her trip"): a few threads,
+# shared by every user (each search waits for its own event, so none waits on another's)
+_EVENTS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="recall-event")
+
+
+def _released_pool(fn: Callable, *args, **kwargs):
+    """`fn` on a pool thread that frees its OpenMP workers afterwards (engine/threads.py: idle
+    pools on other threads slow the engine's decode)."""
+    from ..engine.threads import release_omp_pool  # the engine package imports torch: not at import
+
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_omp_pool()
 
 
 def _all_vectors(index) -> tuple[np.ndarray, np.ndarray]:
