@@ -449,3 +449,18 @@ def test_a_row_committed_late_below_the_newest_is_indexed(store):
     hits = store.search("default", "alice", "greyhound Pepper", k=3)
     assert hits[0].id == top - 7
     assert top - 7 in store.recall.sync("default", "alice").messages
+
+
+def test_bench_memory_repeats_its_questions_under_other_sampling_seeds(capsys):
+    """`--sampling-seeds N`: every question asked N times (each repeat in a tenant of its own,
+    with other seeds), one accuracy per seed and their mean in the JSON."""
+    import json
+
+    from agentmem.bench_memory import main
+
+    assert main(["--quick", "--json", "--no-reflect", "--sampling-seeds", "2", "--dtype", "float32"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by_seed = got["answer_accuracy_by_seed"]
+    assert len(by_seed) == 2 and all(0 <= a <= 1 for a in by_seed)
+    assert by_seed[0] == got["answer_accuracy"] and got["answer_accuracy_mean"] == sum(by_seed) / 2
+    assert got["questions"] == 4 and got["evidence_in_prompt"] >= 0.75
