@@ -24,14 +24,12 @@ from .tiers.records import CoreBlock, Hit, Message
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this, a hit that only embeddings found is noise, not memory
-# A turn asks recall for this many times the notes it may show, and for NOTE_OVERFETCH times
-# more again (up to MAX_NOTE_HITS) while too few of the hits can become notes: some never do
-# (the assistant's own unnamed replies, repeats, weak embedding-only matches), and filtering
-# them out of only `recall_k` hits left the small model one note or none. In bench memory's
-# 8-fact workload, "Which town is home for me these days?" got ten replies that say "a good
-# way to spend the day" and no note at all.
-NOTE_OVERFETCH = 3
-MAX_NOTE_HITS = 100
+# A turn asks recall for the notes it may show and half as many again, for repeats and weak
+# matches, leaving out the assistant's own replies (found by search, never shown: in bench
+# memory's 8-fact workload ten replies saying "a good way to spend the day" had left "Which
+# town is home for me these days?" without a note). One search: asking again for more when
+# repeats left too few doubled context() at 100,000 messages for a note or two.
+NOTE_MARGIN = 1.5
 TURN_SHARE = 0.25  # a single message longer than this share of the budget is cut to it
 RECALL_HEADER = "Notes from our earlier conversations (newer notes replace older ones):\n"
 QUESTION_HEADER = "\nUsing these notes, answer: "
@@ -92,6 +90,11 @@ def memory_line(hit: Hit, compressed: bool = False) -> str:
     return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
 
+def weak(hit: Hit) -> bool:
+    """Only a weak embedding match: noise, not memory."""
+    return hit.similarity < MIN_SIMILARITY and not {"lexical", "facts"} & set(hit.retrievers)
+
+
 def note_hits(hits: list[Hit]) -> list[Hit]:
     """The hits that may become notes in a prompt, best first."""
     out, seen = [], set()
@@ -99,7 +102,7 @@ def note_hits(hits: list[Hit]) -> list[Hit]:
         said = " ".join(h.text.split()).lower()
         if said in seen:  # the same words said twice are one note
             continue
-        if h.similarity < MIN_SIMILARITY and not {"lexical", "facts"} & set(h.retrievers):
+        if weak(h):
             continue  # only a weak embedding match: noise
         if h.kind == "message" and h.role == "assistant" and not h.name:
             # the small model's own earlier replies are unreliable, and as notes it copies

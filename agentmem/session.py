@@ -8,12 +8,13 @@ tenants), generate, then store the reply and a trace of what went into the promp
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from .assemble import MAX_NOTE_HITS, NOTE_OVERFETCH, RECALL_SHARE, Assembler, Context, note_hits
+from .assemble import NOTE_MARGIN, RECALL_SHARE, Assembler, Context
 from .compress.policy import BudgetPolicy
 from .config import Config
 from .engine.sampler import with_defaults
@@ -169,14 +170,10 @@ class AgentSession:
         # messages compete in recall like older ones and come in as notes when relevant
         # (docs/replies.md, "Answering from memory").
         recent = list(working.queue) if self.config.prompt_replies else []
-        want, k = self.config.recall_k, self.config.recall_k * NOTE_OVERFETCH
-        while True:
-            hits = self.store.search(self.tenant_id, self.user_id, text, k=k,
-                                     exclude_messages={m.id for m in recent} | set(exclude))
-            if len(note_hits(hits)) >= want or len(hits) < k or k >= MAX_NOTE_HITS:
-                break
-            k = min(MAX_NOTE_HITS, k * NOTE_OVERFETCH)
-        memories = self.assembler.select_memories(hits, limit=want)
+        k = math.ceil(self.config.recall_k * NOTE_MARGIN)
+        hits = self.store.search(self.tenant_id, self.user_id, text, k=k, own_replies=False,
+                                 exclude_messages={m.id for m in recent} | set(exclude))
+        memories = self.assembler.select_memories(hits, limit=self.config.recall_k)
         ctx = self.assembler.build(blocks, working.summary, memories, recent, text, namespace=self.tenant_id)
         return ctx, [m.id for m in evicted]
 

@@ -100,24 +100,26 @@ def test_recent_turns_without_their_replies_are_recalled_not_replayed(make):
 
 def test_replies_that_never_become_notes_do_not_take_the_notes_places(make):
     """The assistant's own replies are found by search but never shown as notes: when they
-    fill the top hits, the prompt still gets the user's turns (a turn asks recall for more
-    hits than notes it may show), up to `recall_k` notes."""
+    fill the top hits, the prompt still gets the user's turns (the turn's search leaves the
+    replies out, `own_replies=False`), up to `recall_k` notes."""
     s = make()
-    msgs = [{"role": "user", "content": "I live in Lisbon."}, {"role": "assistant", "content": "Noted."}]
-    for i in range(12):
-        msgs += [{"role": "user", "content": f"I read about topic number {i} yesterday."},
-                 {"role": "assistant", "content": f"What a good way to spend these days, home in town {i}!"}]
+    msgs = [{"role": "user", "content": "I live in Lisbon."}, {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "I baked bread on Sunday."}]
+    msgs += [{"role": "assistant", "content": f"What a good way to spend these days, at home in town {i}!"}
+             for i in range(12)]
     s.add_messages(msgs)
     s2 = make()
     question = "Which town is home for me these days?"
     top = s2.search(question, k=s2.config.recall_k)
     assert sum(h.role == "assistant" for h in top) >= 8  # the replies crowd the top hits
+    mine = s2.store.search(s2.tenant_id, s2.user_id, question, k=10, own_replies=False)
+    assert not any(h.role == "assistant" for h in mine) and "I live in Lisbon." in [h.text for h in mine]
     notes = [x.text for x in s2.context(question).segments if x.tier == "recall" and x.ref.startswith("message:")]
     assert any("I live in Lisbon." in t for t in notes)
     assert not any("good way to spend" in t for t in notes) and len(notes) <= s2.config.recall_k
-    s2.config = s2.config.model_copy(update={"recall_k": 1})  # hits asked for: 3, then 9, then 27
+    s2.config = s2.config.model_copy(update={"recall_k": 2})  # the user's only two turns
     notes = [x.text for x in s2.context(question).segments if x.tier == "recall" and x.ref.startswith("message:")]
-    assert len(notes) == 1 and "I live in Lisbon." in notes[0]
+    assert len(notes) == 2 and any("I live in Lisbon." in t for t in notes)
 
 
 def test_eviction_folds_old_turns_into_the_summary(make):

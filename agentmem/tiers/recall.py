@@ -631,9 +631,11 @@ class Recall:
     # --- search ------------------------------------------------------------------------------
     def search(self, tenant_id: str, user_id: str, query: str, k: int = 10, since: datetime | None = None,
                until: datetime | None = None, exclude_messages: Collection[int] = frozenset(),
-               now: datetime | None = None, retrievers: Collection[str] | None = None) -> list[Hit]:
+               now: datetime | None = None, retrievers: Collection[str] | None = None,
+               own_replies: bool = True) -> list[Hit]:
         """The k best messages and memories for `query`, fused from `retrievers` (all by
-        default). `since`/`until` are hard filters; time the query itself names is a boost."""
+        default). `since`/`until` are hard filters; time the query itself names is a boost.
+        `own_replies=False`: no unnamed assistant turns among the hits (the prompt's notes)."""
         use = set(RETRIEVERS if retrievers is None else retrievers)
         if unknown := use - set(RETRIEVERS):
             raise ValueError(f"unknown retrievers {sorted(unknown)}; known: {list(RETRIEVERS)}")
@@ -660,11 +662,12 @@ class Recall:
                                    None if vecs is None else vecs[1:2], use, exclude, 1, None, None, conv_now,
                                    brief=True)
         return self._fused(tenant_id, user_id, ui, pq, None if vecs is None else vecs[:1], use, exclude, k,
-                           since, until, now or conv_now, event=event)
+                           since, until, now or conv_now, event=event, own_replies=own_replies)
 
     def _fused(self, tenant_id: str, user_id: str, ui: UserIndex, pq: ParsedQuery, qvec: np.ndarray | None,
                use: set[str], exclude: frozenset, k: int, since: datetime | None, until: datetime | None,
-               now: datetime, brief: bool = False, event: Future | None = None) -> list[Hit]:
+               now: datetime, brief: bool = False, event: Future | None = None,
+               own_replies: bool = True) -> list[Hit]:
         """Candidates from every retriever in `use` and the votes, fused and ranked (`search`).
         `brief`: the hits only, without their neighbour turns (a question's dating event).
         `event`: the search for the event the question is dated by (`pq.anchor`); its best
@@ -695,7 +698,7 @@ class Recall:
                     c.ranks["lexical"], c.lexical_share = rank, share
         if not cands:
             return []
-        return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now, brief)
+        return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now, brief, own_replies)
 
     def _dense(self, ui: UserIndex, qvec: np.ndarray, use: set[str], exclude: frozenset, cands: dict,
                since: datetime | None, until: datetime | None, who: frozenset[int] | None = None) -> None:
@@ -787,7 +790,7 @@ class Recall:
         return out
 
     def _rank(self, tenant_id: str, user_id: str, ui: UserIndex, qvec, pq: ParsedQuery, cands: dict,
-              k: int, since, until, now: datetime, brief: bool = False) -> list[Hit]:
+              k: int, since, until, now: datetime, brief: bool = False, own_replies: bool = True) -> list[Hit]:
         mem_ids = [c.row_id for c in cands.values() if c.kind == _MEMORY]
         mems = self.archive.memories_by_id(tenant_id, user_id, mem_ids) if mem_ids else {}
         # a fact that matches counts for the messages it rests on
@@ -816,6 +819,8 @@ class Recall:
                 continue
             when = row.time
             if (since is not None and when < since) or (until is not None and when > until):
+                continue
+            if not own_replies and isinstance(row, MessageMeta) and row.role == "assistant" and not row.name:
                 continue
             if mention and isinstance(row, Memory) and "facts" in c.ranks and any(p in row.text.lower() for p in mention):
                 c.ranks["person"] = c.ranks["facts"]  # a fact about the person asked about: their vote too
