@@ -17,17 +17,18 @@ def lib(tmp_path_factory):
     return lib
 
 
-@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 963, 576), (4, 576, 1536), (16, 7, 64)])
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 992, 576), (4, 576, 1536), (7, 64, 34), (16, 32, 64)])
 def test_gemv_matches_torch(lib, rows, out, inp):
     g = torch.Generator().manual_seed(rows * out)
     w = torch.randn(out, inp, generator=g).bfloat16()
     x = torch.randn(rows, inp, generator=g).bfloat16()
     b = torch.randn(out, generator=g).bfloat16()
     ref = x.float() @ w.float().t() + b.float()
-    y32 = cpu_gemv.gemv(lib, w, x, b, torch.float32)
+    wp = cpu_gemv.pack(w)
+    y32 = cpu_gemv.gemv(lib, wp, x, b, torch.float32)
     assert y32.shape == (rows, out) and y32.dtype == torch.float32
     assert (y32 - ref).abs().max() < 1e-4 * ref.abs().max()  # fp32 sums of exact bf16 products
-    y16 = cpu_gemv.gemv(lib, w, x, b)
+    y16 = cpu_gemv.gemv(lib, wp, x, b)
     assert y16.dtype == torch.bfloat16
     assert torch.equal(y16, y32.to(torch.bfloat16))  # rounded to nearest even, as torch rounds
 
@@ -35,7 +36,17 @@ def test_gemv_matches_torch(lib, rows, out, inp):
 def test_gemv_reads_strided_rows(lib):
     w = torch.randn(64, 96).bfloat16()
     x = torch.randn(2, 192).bfloat16()[:, :96]  # rows 192 apart
-    assert torch.allclose(cpu_gemv.gemv(lib, w, x, out_dtype=torch.float32), x.float() @ w.float().t(), atol=1e-3)
+    assert torch.allclose(cpu_gemv.gemv(lib, cpu_gemv.pack(w), x, out_dtype=torch.float32), x.float() @ w.float().t(),
+                          atol=1e-3)
+
+
+def test_gemv_takes_only_what_its_layout_holds(lib):
+    assert cpu_gemv.usable(torch.zeros(64, 96).bfloat16())
+    assert not cpu_gemv.usable(torch.zeros(963, 576).bfloat16())  # out not a multiple of 32
+    assert not cpu_gemv.usable(torch.zeros(64, 95).bfloat16())  # an odd number of inputs
+    assert not cpu_gemv.usable(torch.zeros(64, 96))  # fp32
+    with pytest.raises(ValueError, match="inputs"):
+        cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 64).bfloat16())
 
 
 def test_proj_uses_the_kernel_for_few_rows_only(lib, monkeypatch):
@@ -50,3 +61,35 @@ def test_proj_uses_the_kernel_for_few_rows_only(lib, monkeypatch):
         x = torch.randn(rows, 128).bfloat16()
         assert torch.allclose(p(x).float(), x.float() @ w.float().t(), atol=0.1, rtol=0.02)
     assert calls == [1, cpu_gemv.MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows,heads,kv,hd,width", [(1, 9, 3, 64, 5), (8, 9, 3, 64, 160), (3, 8, 1, 128, 40),
+                                                    (2, 4, 4, 32, 17)])
+def test_decode_attention_matches_the_softmax_over_the_visible_keys(lib, rows, heads, kv, hd, width):
+    g = torch.Generator().manual_seed(rows * width + hd)
+    k_pool = torch.randn(64, 16, kv, hd, generator=g).bfloat16()
+    v_pool = torch.randn(64, 16, kv, hd, generator=g).bfloat16()
+    q = torch.randn(rows, heads, hd, generator=g).bfloat16()
+    idx = torch.randint(0, 64 * 16, (rows, width), generator=g)
+    lo = torch.randint(0, max(1, width // 3), (rows,), generator=g)  # a sliding window's start
+    hi = torch.randint(width // 2 + 1, width + 1, (rows,), generator=g)
+    keep = (torch.arange(width)[None] >= lo[:, None]) & (torch.arange(width)[None] < hi[:, None])
+    out = cpu_gemv.decode_attention(lib, q, k_pool, v_pool, idx.view(-1), keep[:, None, None, :])
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    k = k_pool.view(-1, kv, hd)[idx].float().repeat_interleave(heads // kv, dim=2)  # [rows, width, heads, hd]
+    v = v_pool.view(-1, kv, hd)[idx].float().repeat_interleave(heads // kv, dim=2)
+    s = torch.einsum("bhd,bwhd->bhw", q.float(), k) * hd ** -0.5
+    p = torch.softmax(s.masked_fill(~keep[:, None, :], float("-inf")), -1)
+    ref = torch.einsum("bhw,bwhd->bhd", p, v)
+    assert (out.float() - ref).abs().max() < 1e-2 * max(1.0, ref.abs().max().item())
+    # the engine's decode attention (paged_attention) goes through the same kernel
+    from agentmem.engine.compiled import paged_attention
+    via_op = paged_attention(q, k_pool, v_pool, idx.view(-1), keep[:, None, None, :], width)
+    assert torch.equal(via_op, out)
+
+
+def test_decode_attention_rejects_a_slot_count_that_does_not_match(lib):
+    q = torch.zeros(2, 3, 32).bfloat16()
+    pool = torch.zeros(4, 16, 1, 32).bfloat16()
+    with pytest.raises(ValueError, match="slots"):
+        cpu_gemv.decode_attention(lib, q, pool, pool, torch.zeros(7, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))

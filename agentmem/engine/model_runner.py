@@ -10,7 +10,7 @@ import torch
 
 from .block_manager import BlockManager
 from .compiled import CompiledDecode, paged_attention
-from .kernels import paged_decode_attention
+from .kernels import cpu_gemv, paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool
 from .layers import visible
@@ -78,6 +78,14 @@ class ModelRunner:
             if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
                 mask &= slot >= lens_t - window
             mask = mask[:, None, None, :]
+
+        a = self.model.args
+        if (lib := cpu_gemv.loaded()) is not None and cpu_gemv.attention_usable(
+                pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
+            # the CPU kernel, called directly: its inputs are made once a step, not per layer
+            keep = (mask.reshape(len(seqs), width) if mask is not None
+                    else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
+            return lambda i, q: cpu_gemv.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, pool.k[i], pool.v[i], idx_t, mask, width)

@@ -2,17 +2,28 @@
 step spends most of its time in.
 
 A decode step multiplies one row (one per stream) by every weight of the model, so it is
-bound by the bytes of weights read. oneDNN's packed bf16 product, the engine's default,
-read them at 19 GB/s over a whole SmolLM2-135M token (121 products, 13.9 ms) on the 2-core
-AMD EPYC where a plain read runs at 34 GB/s: each product is short (0.6-3.5 MB) and pays a
-fixed set-up cost. This one reads them at 22 GB/s (12.0 ms); the 56 MB LM head alone at
-32 GB/s, the layers' small products stay slower (huge pages for them gave 24 GB/s). This kernel reads the weight [out, in] as stored, four rows at a time, with
-`vdpbf16ps` (bf16 pairs multiplied and summed into fp32) for each of up to 16 input rows,
-the rows split between the OpenMP threads torch uses (the same libgomp, so the same pool).
+bound by the bytes of weights read. oneDNN's packed bf16 product, the engine's default for
+many rows, reads them well below the machine's bandwidth over a whole SmolLM2-135M token
+(121 products of 0.6-3.5 MB and the 56 MB LM head): each product is short and pays a fixed
+set-up cost. This kernel reads its own layout, packed once at load (`pack`): the weight
+[N, K] as [N/16, K/2, 16, 2], so that one 64-byte load holds an input pair (k, k+1) for 16
+outputs and `vdpbf16ps` (bf16 pairs multiplied and summed into fp32) adds it into 16 fp32
+sums against the input pair broadcast: no horizontal sums, and each thread streams whole
+contiguous 32-output blocks (36 KB at K = 576), which the hardware prefetcher follows (a
+software prefetch measured no better). Each block runs every input row, 4 at a time, while it
+is in L1, so 8 rows cost little more than one.
+
+Measured over a whole token of SmolLM2-135M's products (cold weights, 2 threads, the AMD EPYC
+VM with AVX-512 + avx512_bf16, one process, best of 7; /tmp dev script, figures in the
+README's engine section): 1 row 9.6-12.7 ms packed against 14-19 ms for oneDNN and 13-17.5 ms
+for the earlier kernel over the plain row-major weight; 8 rows 12-16 ms against 14-22 ms;
+16 rows 22 against 26. So it takes every decode batch the compiled buckets have (up to
+MAX_ROWS); prefill chunks stay with oneDNN.
 
 It is C compiled once by the system's C compiler (the one inductor uses) into the cache dir
-and loaded with ctypes (`Engine.load` does it; `loaded` is what Proj uses); without a compiler, AVX512-BF16, or where the build fails, `load`
-returns None, says why once, and the engine keeps oneDNN.
+and loaded with ctypes (`Engine.load` does it; `loaded` is what Proj uses); without a
+compiler, AVX512-BF16, or where the build fails, `load` returns None, says why once, and the
+engine keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -31,13 +42,14 @@ import torch
 
 log = logging.getLogger("agentmem.engine")
 
-# input rows up to which the kernel beats oneDNN: over a whole SmolLM2-135M token of bf16
-# products (cold weights), 1 row 12.0 ms against 13.9, 8 rows 17.6 against 15.6
-MAX_ROWS = 4
+MAX_ROWS = 16  # input rows up to which Proj uses the kernel (the largest decode bucket)
+BLOCK = 32  # outputs per block: a weight's out_features must be a multiple
 
 _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline uint16_t to_bf16(float f) {
@@ -48,57 +60,163 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline void put(void *y, int64_t i, float v, int f32) {
-    if (f32) ((float *)y)[i] = v;
-    else ((uint16_t *)y)[i] = to_bf16(v);
+/* 16 sums (+ bias) to y[0..15], fp32 or bf16 */
+static inline void store(void *y, int64_t off, __m512 v, const float *b, int f32) {
+    if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b));
+    if (f32) {
+        _mm512_storeu_ps((float *)y + off, v);
+        return;
+    }
+    float t[16];
+    _mm512_storeu_ps(t, v);
+    for (int j = 0; j < 16; j++) ((uint16_t *)y)[off + j] = to_bf16(t[j]);
 }
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]): w bf16 [N, K] row-major, x bf16 [M, K] with
-   rows `ldx` apart, y [M, N] (fp32 if f32, else bf16); K a multiple of 32. */
-void agentmem_gemv_bf16(const uint16_t *w, const uint16_t *x, int64_t ldx, void *y, const float *b,
+/* One 32-output block against `mb` (1-4) input rows: 8 accumulators, 2 weight vectors and an
+   input pair broadcast per step. Inlined with a constant `mb`, the loops unroll. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *wb, int64_t K, const uint16_t *x,
+                                                       int64_t ldx, const int mb, void *y, int64_t N,
+                                                       int64_t n, const float *b, int f32) {
+    __m512 acc[4][2];
+    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const uint16_t *w0 = wb, *w1 = wb + 16 * K;
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + 16 * k);
+        __m512bh c = (__m512bh)_mm512_loadu_si512(w1 + 16 * k);
+        for (int i = 0; i < mb; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * ldx + k, 4);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, xv);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], c, xv);
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        store(y, i * N + n, acc[i][0], b ? b + n : 0, f32);
+        store(y, i * N + n + 16, acc[i][1], b ? b + n + 16 : 0, f32);
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]): wp the weight packed as [N/16][K/2][16][2]
+   bf16 (N a multiple of 32, K of 2), x bf16 [M, K] with rows `ldx` apart, y [M, N] (fp32 if
+   f32, else bf16). The threads split the 32-output blocks. */
+void agentmem_gemv_bf16(const uint16_t *wp, const uint16_t *x, int64_t ldx, void *y, const float *b,
                         int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    const int64_t blocks = (N + 3) / 4;
+    const int64_t blocks = N / 32;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t n = blk * 4;
-        if (n + 4 <= N) {
-            const uint16_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-            for (int64_t m = 0; m < M; m++) {
-                const uint16_t *xm = x + m * ldx;
-                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-                __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-                for (int64_t k = 0; k < K; k += 32) {
-                    __m512bh xk = (__m512bh)_mm512_loadu_si512(xm + k);
-                    if (m == 0) {  /* the rows 8 ahead: the prefetcher stops at each 4 KB page */
-                        _mm_prefetch((const char *)(w0 + 8 * K + k), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(w1 + 8 * K + k), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(w2 + 8 * K + k), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(w3 + 8 * K + k), _MM_HINT_T0);
-                    }
-                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w0 + k), xk);
-                    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w1 + k), xk);
-                    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w2 + k), xk);
-                    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w3 + k), xk);
-                }
-                float r0 = _mm512_reduce_add_ps(a0), r1 = _mm512_reduce_add_ps(a1);
-                float r2 = _mm512_reduce_add_ps(a2), r3 = _mm512_reduce_add_ps(a3);
-                if (b) { r0 += b[n]; r1 += b[n + 1]; r2 += b[n + 2]; r3 += b[n + 3]; }
-                put(y, m * N + n, r0, f32);
-                put(y, m * N + n + 1, r1, f32);
-                put(y, m * N + n + 2, r2, f32);
-                put(y, m * N + n + 3, r3, f32);
+        const uint16_t *wb = wp + blk * 32 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t left = M - m0;
+            const uint16_t *xm = x + m0 * ldx;
+            char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
+            switch (left < 4 ? left : 4) {
+                case 4: tile(wb, K, xm, ldx, 4, ym, N, blk * 32, b, f32); break;
+                case 3: tile(wb, K, xm, ldx, 3, ym, N, blk * 32, b, f32); break;
+                case 2: tile(wb, K, xm, ldx, 2, ym, N, blk * 32, b, f32); break;
+                default: tile(wb, K, xm, ldx, 1, ym, N, blk * 32, b, f32); break;
             }
-        } else {
-            for (int64_t r = n; r < N; r++) {
-                for (int64_t m = 0; m < M; m++) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t k = 0; k < K; k += 32)
-                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + r * K + k),
-                                             (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
-                    put(y, m * N + r, _mm512_reduce_add_ps(a) + (b ? b[r] : 0.0f), f32);
+        }
+    }
+}
+
+/* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
+   [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7); below -87 the result is 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+
+/* 16 bf16 -> 16 fp32 */
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* One decode query per sequence over its keys in the paged pool, for one query head group per
+   task: out[b, h] = softmax(q[b, h] . K * scale) V over the keys j of row b with keep[b, j],
+   at flat pool slots idx[b, j]. q/out bf16 [B, H, hd]; kp/vp bf16 [slots, KV, hd]; hd a
+   multiple of 32 (at most 256), H a multiple of KV. The scores are fp32 sums of exact bf16
+   products (vdpbf16ps), the softmax and the weighted sum of V fp32. */
+void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, const int64_t *idx,
+                               const uint8_t *keep, uint16_t *out, int64_t B, int64_t H, int64_t KV,
+                               int64_t hd, int64_t W, float scale, int threads) {
+    const int64_t G = H / KV, nd = hd / 16;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, kvh = task % KV;
+        int64_t *slot = (int64_t *)malloc(W * sizeof(int64_t));
+        float *s = (float *)malloc((G * W + 16) * sizeof(float));
+        int64_t nv = 0;
+        for (int64_t j = 0; j < W; j++)
+            if (keep[b * W + j]) slot[nv++] = idx[b * W + j];
+        const uint16_t *qg = q + (b * H + kvh * G) * hd;
+        for (int64_t t = 0; t < nv; t++) {  /* scores: each key read once for the G heads */
+            const uint16_t *k = kp + (slot[t] * KV + kvh) * hd;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t d = 0; d < hd; d += 32)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + d),
+                                         (__m512bh)_mm512_loadu_si512(qg + g * hd + d));
+                s[g * W + t] = _mm512_reduce_add_ps(a) * scale;
+            }
+        }
+        float sum[32];
+        for (int64_t g = 0; g < G; g++) {  /* softmax numerators in place, and their sums */
+            float *sg = s + g * W;
+            float m = -INFINITY;
+            for (int64_t t = 0; t < nv; t++) m = sg[t] > m ? sg[t] : m;
+            __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+            int64_t t = 0;
+            for (; t + 16 <= nv; t += 16) {
+                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
+                _mm512_storeu_ps(sg + t, e);
+                acc = _mm512_add_ps(acc, e);
+            }
+            if (t < nv) {
+                __mmask16 mk = (__mmask16)((1u << (nv - t)) - 1);
+                __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + t), mv)));
+                _mm512_mask_storeu_ps(sg + t, mk, e);
+                acc = _mm512_add_ps(acc, e);
+            }
+            sum[g] = _mm512_reduce_add_ps(acc);
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {  /* the weighted sum of V, 4 heads at a time */
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            __m512 o[4][16];
+            for (int64_t g = 0; g < gn; g++)
+                for (int64_t d = 0; d < nd; d++) o[g][d] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < nv; t++) {
+                const uint16_t *v = vp + (slot[t] * KV + kvh) * hd;
+                for (int64_t d = 0; d < nd; d++) {
+                    __m512 vv = load_bf16(v + 16 * d);
+                    for (int64_t g = 0; g < gn; g++)
+                        o[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[(g0 + g) * W + t]), vv, o[g][d]);
+                }
+            }
+            for (int64_t g = 0; g < gn; g++) {
+                uint16_t *og = out + (b * H + kvh * G + g0 + g) * hd;
+                const float inv = nv ? 1.0f / sum[g0 + g] : 0.0f;
+                float tmp[16];
+                for (int64_t d = 0; d < nd; d++) {
+                    _mm512_storeu_ps(tmp, _mm512_mul_ps(o[g][d], _mm512_set1_ps(inv)));
+                    for (int i = 0; i < 16; i++) og[16 * d + i] = to_bf16(tmp[i]);
                 }
             }
         }
+        free(slot);
+        free(s);
     }
 }
 """
@@ -151,6 +269,9 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
             fn.restype = None
+            fn = lib.agentmem_decode_attn_bf16
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+            fn.restype = None
             _lib = lib
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
@@ -164,22 +285,83 @@ def loaded() -> ctypes.CDLL | None:
 
 
 def usable(w: torch.Tensor) -> bool:
-    """Whether `w` [out, in] can go through the kernel (bf16, CPU, contiguous, in % 32 == 0)."""
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
-            and w.shape[1] % 32 == 0)
+    """Whether `w` [out, in] can go through the kernel (bf16, CPU, out % 32 == 0, in even)."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
+            and w.shape[0] % BLOCK == 0 and w.shape[1] % 2 == 0)
 
 
-def gemv(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of `w` [N, K]: [N/16, K/2, 16, 2] (a copy)."""
+    n, k = w.shape
+    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv(lib: ctypes.CDLL, wp: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, in] (bf16, M <= MAX_ROWS) @ w.T (+ bias) -> [M, out] in `out_dtype` (bf16 or fp32)."""
+    """x [M, in] (bf16) @ w.T (+ bias) -> [M, out] in `out_dtype` (bf16 or fp32), for `wp` =
+    pack(w)."""
+    n, k = wp.shape[0] * 16, wp.shape[1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"gemv: x has {x.shape[-1]} inputs, the weight {k}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out_dtype = out_dtype or x.dtype
-    m, n = x.shape[0], w.shape[0]
+    m = x.shape[0]
     y = torch.empty(m, n, dtype=out_dtype)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    lib.agentmem_gemv_bf16(w.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                           None if bias is None else bias.data_ptr(), m, n, w.shape[1],
+    lib.agentmem_gemv_bf16(wp.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+                           None if bias is None else bias.data_ptr(), m, n, k,
                            int(out_dtype == torch.float32), torch.get_num_threads())
     return y
+
+
+MAX_GROUP = 32  # query heads per KV head the attention kernel takes
+MAX_HEAD_DIM = 256
+
+
+def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `decode_attention` takes such a query and pool: bf16 on the CPU, head_dim a
+    multiple of 32 up to 256, at most 32 query heads per KV head."""
+    return (dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM
+            and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     idx: torch.Tensor, keep: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One decode query per row over its keys in the paged pool: q [B, H, hd]; k_pool/v_pool
+    [..., KV, hd] (contiguous); idx [B * W] flat slots; keep [B, W] (or [B, 1, 1, W]) which of
+    them the row sees. Returns [B, H, hd] (bf16). What `paged_attention` computes with
+    gathers and SDPA, in one pass over the keys (attention_usable must hold). idx as int64
+    and keep as uint8, both contiguous, are used as they are (the engine makes them once a step)."""
+    b, h, hd = q.shape
+    kv = k_pool.shape[-2]
+    keep = keep.reshape(b, -1)
+    w = keep.shape[1]
+    if idx.numel() != b * w:
+        raise ValueError(f"decode_attention: {idx.numel()} slots for {b} rows of {w} keys")
+    q, idx = q.contiguous(), idx.to(torch.int64).contiguous()
+    keep = keep.to(torch.uint8).contiguous()
+    out = torch.empty_like(q)
+    lib.agentmem_decode_attn_bf16(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), idx.data_ptr(),
+                                  keep.data_ptr(), out.data_ptr(), b, h, kv, hd, w,
+                                  hd ** -0.5 if scale is None else scale, torch.get_num_threads())
+    return out
+
+
+# decode attention as one opaque op, so that the compiled decode step (compiled.py) calls the
+# kernel too; it reads the pool after the step's K/V write, which the graph orders before it
+_OPS = torch.library.Library("agentmem", "FRAGMENT")
+_OPS.define("decode_attn(Tensor q, Tensor k_pool, Tensor v_pool, Tensor idx, Tensor keep) -> Tensor")
+
+
+def _decode_attn(q, k_pool, v_pool, idx, keep):
+    return decode_attention(_lib, q, k_pool, v_pool, idx, keep)
+
+
+_OPS.impl("decode_attn", _decode_attn, "CPU")
+
+
+@torch.library.register_fake("agentmem::decode_attn")
+def _(q, k_pool, v_pool, idx, keep):
+    return torch.empty_like(q)
