@@ -10,20 +10,25 @@ set-up cost. This kernel reads its own layout, packed once at load (`pack`): the
 outputs and `vdpbf16ps` (bf16 pairs multiplied and summed into fp32) adds it into 16 fp32
 sums against the input pair broadcast: no horizontal sums, and each thread streams whole
 contiguous 32-output blocks (36 KB at K = 576), which the hardware prefetcher follows (a
-software prefetch measured no better). Each block runs every input row, 4 at a time, while it
-is in L1, so 8 rows cost little more than one.
+software prefetch measured no better). Each block runs every input row while it is in
+cache, up to 8 at a time (16 accumulators), so 8 rows cost little more than one.
 
 Measured over a whole token of SmolLM2-135M's products (cold weights, 2 threads, the AMD EPYC
-VM with AVX-512 + avx512_bf16, one process, best of 7; /tmp dev script, figures in the
-README's engine section): 1 row 9.6-12.7 ms packed against 14-19 ms for oneDNN and 13-17.5 ms
-for the earlier kernel over the plain row-major weight; 8 rows 12-16 ms against 14-22 ms;
-16 rows 22 against 26. So it takes every decode batch the compiled buckets have (up to
-MAX_ROWS); prefill chunks stay with oneDNN.
+VM with AVX-512 + avx512_bf16, best of 7; /tmp dev scripts): in one run, packed 1 row 12.7 ms
+against 17.5 for the earlier kernel over the plain row-major weight and 18.8 for oneDNN, 8 rows
+16.4 against 22.3 and 21.7 (a noisy neighbour then; in a quiet run packed 1 row 9.6 ms, 28 GB/s);
+8 rows at a time rather than 4, in another run: 8 rows 11.7 against 12.7 ms, 16 rows 16.9
+against 17.8. So it takes every decode batch the compiled buckets have (up to MAX_ROWS);
+prefill chunks stay with oneDNN.
 
 It is C compiled once by the system's C compiler (the one inductor uses) into the cache dir
 and loaded with ctypes (`Engine.load` does it; `loaded` is what Proj uses); without a
 compiler, AVX512-BF16, or where the build fails, `load` returns None, says why once, and the
 engine keeps oneDNN.
+
+The same library holds the decode attention kernel (`decode_attention`): one query per
+sequence over its keys read straight from the paged KV pool, which the engine's attention on
+the CPU calls in place of gathering the keys, copying them to fp32 and calling SDPA.
 """
 
 from __future__ import annotations
@@ -72,12 +77,12 @@ static inline void store(void *y, int64_t off, __m512 v, const float *b, int f32
     for (int j = 0; j < 16; j++) ((uint16_t *)y)[off + j] = to_bf16(t[j]);
 }
 
-/* One 32-output block against `mb` (1-4) input rows: 8 accumulators, 2 weight vectors and an
-   input pair broadcast per step. Inlined with a constant `mb`, the loops unroll. */
+/* One 32-output block against `mb` (1-8) input rows: up to 16 accumulators, 2 weight vectors
+   and an input pair broadcast per step. Inlined with a constant `mb`, the loops unroll. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *wb, int64_t K, const uint16_t *x,
                                                        int64_t ldx, const int mb, void *y, int64_t N,
                                                        int64_t n, const float *b, int f32) {
-    __m512 acc[4][2];
+    __m512 acc[8][2];
     for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     const uint16_t *w0 = wb, *w1 = wb + 16 * K;
     for (int64_t k = 0; k < K; k += 2) {
@@ -106,15 +111,20 @@ void agentmem_gemv_bf16(const uint16_t *wp, const uint16_t *x, int64_t ldx, void
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint16_t *wb = wp + blk * 32 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
             const int64_t left = M - m0;
             const uint16_t *xm = x + m0 * ldx;
             char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
-            switch (left < 4 ? left : 4) {
-                case 4: tile(wb, K, xm, ldx, 4, ym, N, blk * 32, b, f32); break;
-                case 3: tile(wb, K, xm, ldx, 3, ym, N, blk * 32, b, f32); break;
-                case 2: tile(wb, K, xm, ldx, 2, ym, N, blk * 32, b, f32); break;
-                default: tile(wb, K, xm, ldx, 1, ym, N, blk * 32, b, f32); break;
+            const int64_t n = blk * 32;
+            switch (left < 8 ? left : 8) {
+                case 8: tile(wb, K, xm, ldx, 8, ym, N, n, b, f32); break;
+                case 7: tile(wb, K, xm, ldx, 7, ym, N, n, b, f32); break;
+                case 6: tile(wb, K, xm, ldx, 6, ym, N, n, b, f32); break;
+                case 5: tile(wb, K, xm, ldx, 5, ym, N, n, b, f32); break;
+                case 4: tile(wb, K, xm, ldx, 4, ym, N, n, b, f32); break;
+                case 3: tile(wb, K, xm, ldx, 3, ym, N, n, b, f32); break;
+                case 2: tile(wb, K, xm, ldx, 2, ym, N, n, b, f32); break;
+                default: tile(wb, K, xm, ldx, 1, ym, N, n, b, f32); break;
             }
         }
     }
