@@ -103,6 +103,34 @@ def test_fulltext_follows_edits_deletes_and_tenants(store):
     assert a.lexical_search(t2, "u", ["zeppelin"]) == []
 
 
+def test_very_common_words_are_left_out_of_the_fulltext_query(store, monkeypatch):
+    """At scale a word most turns hold costs the full-text query far more than it tells it:
+    it is dropped (not below COMMON_MIN_ROWS matching rows), the rarest word stays when every
+    word is common, and a store without the vocabulary table keeps every word."""
+    from agentmem.tiers import lexical
+
+    a = store.archive
+    sid = store.open_session("default", "u").id
+    store.add_messages("default", "u", sid, [{"role": "user", "content": f"Some days are long, day {i}."}
+                                             for i in range(30)]
+                       + [{"role": "user", "content": "Back from Reykjavik at last."}])
+    reykjavik = a.lexical_search("default", "u", ["reykjavik"])[0][0]
+    assert len(a.lexical_search("default", "u", ["days", "reykjavik"], limit=50)) == 31  # 31 rows: nothing dropped
+    monkeypatch.setattr(lexical, "COMMON_MIN_ROWS", 10)
+    monkeypatch.setattr(lexical, "COMMON_SHARE", 0.5)
+    lexical._rows_cache.clear()
+    sent = []
+    real = lexical._fts5_query
+    monkeypatch.setattr(lexical, "_fts5_query", lambda terms: sent.append(terms) or real(terms))
+    assert [i for i, _ in a.lexical_search("default", "u", ["days", "Reykjavik"])] == [reykjavik]
+    assert sent[-1] == ["Reykjavik"]  # "days" (stem "dai") is in 30 of 31 rows
+    assert len(a.lexical_search("default", "u", ["days", "long"], limit=50)) == 30  # both common: the rarer stays
+    assert len(sent[-1]) == 1
+    with a.tx() as s:
+        s.execute(sa.text("DROP TABLE message_fts_vocab"))
+    assert len(a.lexical_search("default", "u", ["days", "reykjavik"], limit=50)) == 31  # no vocabulary: every word
+
+
 def _upgrade_from_0006(url: str) -> None:
     engine = sa.create_engine(url)
     with engine.begin() as c:
