@@ -93,3 +93,33 @@ def test_decode_attention_rejects_a_slot_count_that_does_not_match(lib):
     pool = torch.zeros(4, 16, 1, 32).bfloat16()
     with pytest.raises(ValueError, match="slots"):
         cpu_gemv.decode_attention(lib, q, pool, pool, torch.zeros(7, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (5, 64, 34), (8, 576, 1536), (11, 32, 64)])
+def test_int8_gemv_matches_the_dequantized_product(lib, rows, out, inp):
+    g = torch.Generator().manual_seed(rows + out)
+    w = torch.randn(out, inp, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    b = torch.randn(out, generator=g)
+    ref = x.float() @ (q.float() * scale[:, None]).t() + b
+    y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack_int8(q), scale, x, b, torch.float32)
+    assert y.shape == (rows, out)
+    assert (y - ref).abs().max() < 1e-4 * ref.abs().max()  # int8 values are exact in bf16
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_gemv.gemv_int8(lib, cpu_gemv.pack_int8(q), scale, x.float())
+
+
+def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
+    w = torch.randn(256, 128).bfloat16()
+    p = Proj(w, fmt="int8")
+    calls = []
+    real = cpu_gemv.gemv_int8
+    monkeypatch.setattr(cpu_gemv, "gemv_int8", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
+    dequantized = p.packed.float() * p.scale[:, None]
+    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):  # the last through torch's int8 product
+        x = torch.randn(rows, 128).bfloat16()
+        ref = x.float() @ dequantized.t()
+        assert (p(x).float() - ref).abs().max() < 0.02 * ref.abs().max()  # the bf16 output's rounding
+    assert calls == [1, cpu_gemv.MAX_ROWS]

@@ -130,6 +130,67 @@ void agentmem_gemv_bf16(const uint16_t *wp, const uint16_t *x, int64_t ldx, void
     }
 }
 
+/* int8 weights, one fp32 scale per output: y[m, n] = s[n] * sum_k x[m, k] q[n, k] (+ b[n]).
+   qp is q packed as [N/16][K/2][16][2] int8 (N a multiple of 32, K even), the bf16 kernel's
+   layout: 32 bytes hold the input pair (k, k+1) for 16 outputs. They are widened to bf16 in
+   registers (int8 values are exact in bf16) and summed with `vdpbf16ps` against the input pair
+   broadcast, as the bf16 kernel does: half its weight bytes read, five more instructions per
+   32 bytes, which 8 input rows share. */
+static inline __attribute__((always_inline)) __m512bh widen(const int8_t *p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    /* lo holds pairs 0-7 (16 values), hi pairs 8-15: one bf16 vector, lo in the low half */
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __attribute__((always_inline)) void tile8(const int8_t *qb, int64_t K, const uint16_t *x,
+                                                        int64_t ldx, const int mb, void *y, int64_t N,
+                                                        int64_t n, const float *s, const float *b, int f32) {
+    __m512 acc[8][2];
+    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const int8_t *q0 = qb, *q1 = qb + 16 * K;
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512bh w0 = widen(q0 + 16 * k), w1 = widen(q1 + 16 * k);
+        for (int i = 0; i < mb; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * ldx + k, 4);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xv);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
+        }
+    }
+    __m512 s0 = _mm512_loadu_ps(s + n), s1 = _mm512_loadu_ps(s + n + 16);
+    for (int i = 0; i < mb; i++) {
+        store(y, i * N + n, _mm512_mul_ps(acc[i][0], s0), b ? b + n : 0, f32);
+        store(y, i * N + n + 16, _mm512_mul_ps(acc[i][1], s1), b ? b + n + 16 : 0, f32);
+    }
+}
+
+void agentmem_gemv_int8(const int8_t *qp, const float *scale, const uint16_t *x, int64_t ldx, void *y,
+                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
+    const int64_t blocks = N / 32;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int8_t *qb = qp + blk * 32 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int64_t left = M - m0;
+            const uint16_t *xm = x + m0 * ldx;
+            char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
+            const int64_t n = blk * 32;
+            switch (left < 8 ? left : 8) {
+                case 8: tile8(qb, K, xm, ldx, 8, ym, N, n, scale, b, f32); break;
+                case 7: tile8(qb, K, xm, ldx, 7, ym, N, n, scale, b, f32); break;
+                case 6: tile8(qb, K, xm, ldx, 6, ym, N, n, scale, b, f32); break;
+                case 5: tile8(qb, K, xm, ldx, 5, ym, N, n, scale, b, f32); break;
+                case 4: tile8(qb, K, xm, ldx, 4, ym, N, n, scale, b, f32); break;
+                case 3: tile8(qb, K, xm, ldx, 3, ym, N, n, scale, b, f32); break;
+                case 2: tile8(qb, K, xm, ldx, 2, ym, N, n, scale, b, f32); break;
+                default: tile8(qb, K, xm, ldx, 1, ym, N, n, scale, b, f32); break;
+            }
+        }
+    }
+}
+
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
    [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7); below -87 the result is 0. */
 static inline __m512 exp16(__m512 x) {
@@ -279,6 +340,10 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
             fn.restype = None
+            fn = lib.agentmem_gemv_int8
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+            fn.restype = None
             fn = lib.agentmem_decode_attn_bf16
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
             fn.restype = None
@@ -290,14 +355,25 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
         return _lib
 
 
+def tag() -> str:
+    """The kernels' identity (a hash of their source and build flags): what a measurement of
+    them is keyed by."""
+    return "gemv-" + hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:12]
+
+
 def loaded() -> ctypes.CDLL | None:
     return _lib
 
 
+def fits(w: torch.Tensor) -> bool:
+    """Whether the kernels' layout takes a weight of this shape (CPU, [out, in] with out % 32
+    == 0 and in even), whatever its dtype."""
+    return w.device.type == "cpu" and w.dim() == 2 and w.shape[0] % BLOCK == 0 and w.shape[1] % 2 == 0
+
+
 def usable(w: torch.Tensor) -> bool:
-    """Whether `w` [out, in] can go through the kernel (bf16, CPU, out % 32 == 0, in even)."""
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
-            and w.shape[0] % BLOCK == 0 and w.shape[1] % 2 == 0)
+    """Whether `w` [out, in] can go through the bf16 kernel (bf16, and `fits`)."""
+    return w.dtype == torch.bfloat16 and fits(w)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -322,6 +398,30 @@ def gemv(lib: ctypes.CDLL, wp: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
         bias = bias.float()
     lib.agentmem_gemv_bf16(wp.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
                            None if bias is None else bias.data_ptr(), m, n, k,
+                           int(out_dtype == torch.float32), torch.get_num_threads())
+    return y
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel's layout of `q` [N, K] (int8): [N/16, K/2, 16, 2], as `pack` (a copy)."""
+    return pack(q)
+
+
+def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, in] (bf16) @ (q * scale[:, None]).T (+ bias) -> [M, out] in `out_dtype` (bf16 or
+    fp32), for `qp` = pack_int8(q) and `scale` fp32 [out]."""
+    n, k = qp.shape[0] * 16, qp.shape[1] * 2
+    if x.shape[-1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"gemv_int8: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(x.shape[0], n, dtype=out_dtype)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    lib.agentmem_gemv_int8(qp.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+                           None if bias is None else bias.data_ptr(), x.shape[0], n, k,
                            int(out_dtype == torch.float32), torch.get_num_threads())
     return y
 
