@@ -118,7 +118,7 @@ def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     real = cpu_gemv.gemv_int8
     monkeypatch.setattr(cpu_gemv, "gemv_int8", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
     dequantized = p.packed.float() * p.scale[:, None]
-    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):  # the last through torch's int8 product
+    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):  # the last dequantized to bf16 for the call
         x = torch.randn(rows, 128).bfloat16()
         ref = x.float() @ dequantized.t()
         assert (p(x).float() - ref).abs().max() < 0.02 * ref.abs().max()  # the bf16 output's rounding

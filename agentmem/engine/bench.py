@@ -372,6 +372,11 @@ def main(argv: list[str]) -> int:
     ppl_fp32, ref = perplexity(fp32, err_ids)
     ppl_own, _ = perplexity(engine, err_ids)
     ppl_int8, int8_logits = perplexity(int8, err_ids)
+    ppl = {"fp32": round(ppl_fp32, 4), weights: round(ppl_own, 4), "int8": round(ppl_int8, 4)}
+    dense_fmt = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if dense_fmt not in ppl:  # the engine dtype's dense weights, what int8 is judged against
+        ppl[dense_fmt] = round(perplexity(Engine.load(engine.config.model_copy(update={"weights": dense_fmt})),
+                                          err_ids)[0], 4)
 
     log("machine, again ...")
     fp32_peak, bf16_peak, peak, mem = (max(a, b) for a, b in
@@ -397,7 +402,7 @@ def main(argv: list[str]) -> int:
         "ttft_350_s": round(ttft, 3),
         "batch8_decode_tok_s" if args.streams == 8 else f"batch{args.streams}_decode_tok_s": round(rate, 1),
         "max_logit_err": err,
-        "perplexity": {"fp32": round(ppl_fp32, 4), weights: round(ppl_own, 4), "int8": round(ppl_int8, 4)},
+        "perplexity": ppl,
         "int8_max_logit_err_vs_fp32": round(float((int8_logits - ref).abs().max()), 4),
         "kv_utilization": round(util, 4),
         "dtype": str(dtype).removeprefix("torch."),

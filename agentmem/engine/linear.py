@@ -119,6 +119,12 @@ class Proj:
             if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16
                     and (lib := cpu_gemv.loaded())):
                 return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias)
+            if self.w_gemv is not None and x.dtype == torch.bfloat16:
+                # many rows (prefill): dequantized to bf16 for this call, then oneDNN's bf16
+                # product; 512 rows of the widest projection took 4.6 ms so, 4.2 with the packed
+                # bf16 weight and 12.6 through `_weight_int8pack_mm`
+                w = self.packed.to(torch.bfloat16) * self.scale.to(torch.bfloat16)[:, None]
+                return F.linear(x, w, self.bias)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.fmt == "int4":
@@ -200,11 +206,13 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
 
 
 def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
-    """`own` or int8: int8 only where it runs both a one-row product of `shape` [out, in]
-    (decode, cold weights) and a PREFILL_ROWS-row one (prefill) faster here; measured once
+    """`own` or int8: int8 only where it runs a one-row product of `shape` [out, in] (decode,
+    cold weights) faster here and a PREFILL_ROWS-row one (prefill) at most PREFILL_SLACK
+    slower; measured once
     per (CPU flags, torch, shape, threads, kernels) and remembered in `cache_dir`. Decode alone
     does not decide: on the EPYC VM the int8 kernel decoded 85 tok/s against bf16's 69-75,
-    but torch's int8 product took a 2,048-token prefill from 834 to 465 tok/s."""
+    but torch's int8 product had taken a 2,048-token prefill from 834 to 465 tok/s (many rows
+    now dequantize to bf16 for the call instead)."""
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     kernels = cpu_gemv.tag() if cpu_gemv.loaded() is not None else "no kernels"
     key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{' '.join(flags)}|{kernels}"
@@ -213,12 +221,12 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
         saved = json.loads(memo.read_text())
     except (OSError, ValueError):
         saved = {}
-    if f"rows_{PREFILL_ROWS}_us" in saved.get(key, {}):  # a choice made by decode timing alone is made again
+    if saved.get(key, {}).get("rule") == RULE:  # a choice made by an earlier rule is made again
         return saved[key]["weights"]
     times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
     rows = {fmt: rows_seconds(fmt, shape, PREFILL_ROWS) for fmt in (own, "int8")}
-    choice = "int8" if times["int8"] < times[own] and rows["int8"] <= rows[own] else own
-    saved[key] = {"weights": choice, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()},
+    choice = "int8" if times["int8"] < times[own] and rows["int8"] <= PREFILL_SLACK * rows[own] else own
+    saved[key] = {"weights": choice, "rule": RULE, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()},
                   f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in rows.items()}}
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +237,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
 
 
 PREFILL_ROWS = 512  # rows of the prefill product `fastest` times
+PREFILL_SLACK = 1.15  # int8 may prefill this much slower than the engine dtype, if it decodes faster
+RULE = f"cold decode, {PREFILL_ROWS} rows within {PREFILL_SLACK}x"  # the choice's rule, kept with it
 
 
 def rows_seconds(fmt: str, shape: tuple[int, int], rows: int, repeats: int = 3) -> float:
