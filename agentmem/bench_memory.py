@@ -312,7 +312,7 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
                                                      "prompt_tokens_details.cached_tokens, no timings.cache_n)")
     else:
         result |= {"engine": "embedded", "dtype": str(engine.dtype).removeprefix("torch."),
-                   "device": str(engine.device)}
+                   "weights": engine.weights, "device": str(engine.device)}
     store.close()
     return result, outcomes
 

@@ -216,6 +216,6 @@ def main(argv: list[str]) -> int:
     out |= {"defaults": engine.sampling_defaults, "copy_guard_ngram": config.copy_guard_ngram,
             "prompt_replies": config.prompt_replies, "max_tokens": args.max_tokens,
             "grammar_first_use_s": trie_s, "model": engine.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
-            "device": str(engine.device), "threads": torch.get_num_threads()}
+            "weights": engine.weights, "device": str(engine.device), "threads": torch.get_num_threads()}
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
