@@ -77,6 +77,11 @@ static inline void store(void *y, int64_t off, __m512 v, const float *b, int f32
     for (int j = 0; j < 16; j++) ((uint16_t *)y)[off + j] = to_bf16(t[j]);
 }
 
+/* CALL(mb) for the input rows left (1-8), with mb a constant in each case: the tiles unroll */
+#define BY_ROWS(left, CALL) switch ((left) < 8 ? (left) : 8) { \
+    case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
+    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); break; }
+
 /* One 32-output block against `mb` (1-8) input rows: up to 16 accumulators, 2 weight vectors
    and an input pair broadcast per step. Inlined with a constant `mb`, the loops unroll. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *wb, int64_t K, const uint16_t *x,
@@ -99,34 +104,6 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *wb, int64
     for (int i = 0; i < mb; i++) {
         store(y, i * N + n, acc[i][0], b ? b + n : 0, f32);
         store(y, i * N + n + 16, acc[i][1], b ? b + n + 16 : 0, f32);
-    }
-}
-
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]): wp the weight packed as [N/16][K/2][16][2]
-   bf16 (N a multiple of 32, K of 2), x bf16 [M, K] with rows `ldx` apart, y [M, N] (fp32 if
-   f32, else bf16). The threads split the 32-output blocks. */
-void agentmem_gemv_bf16(const uint16_t *wp, const uint16_t *x, int64_t ldx, void *y, const float *b,
-                        int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    const int64_t blocks = N / 32;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const uint16_t *wb = wp + blk * 32 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const int64_t left = M - m0;
-            const uint16_t *xm = x + m0 * ldx;
-            char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
-            const int64_t n = blk * 32;
-            switch (left < 8 ? left : 8) {
-                case 8: tile(wb, K, xm, ldx, 8, ym, N, n, b, f32); break;
-                case 7: tile(wb, K, xm, ldx, 7, ym, N, n, b, f32); break;
-                case 6: tile(wb, K, xm, ldx, 6, ym, N, n, b, f32); break;
-                case 5: tile(wb, K, xm, ldx, 5, ym, N, n, b, f32); break;
-                case 4: tile(wb, K, xm, ldx, 4, ym, N, n, b, f32); break;
-                case 3: tile(wb, K, xm, ldx, 3, ym, N, n, b, f32); break;
-                case 2: tile(wb, K, xm, ldx, 2, ym, N, n, b, f32); break;
-                default: tile(wb, K, xm, ldx, 1, ym, N, n, b, f32); break;
-            }
-        }
     }
 }
 
@@ -166,29 +143,42 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *qb, int64_
     }
 }
 
-void agentmem_gemv_int8(const int8_t *qp, const float *scale, const uint16_t *x, int64_t ldx, void *y,
-                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]), w packed as [N/16][K/2][16][2] (N a multiple
+   of 32, K even): bf16 weights (scale NULL), or int8 ones with y scaled by scale[n]. x bf16
+   [M, K] with rows `ldx` apart, y [M, N] (fp32 if f32, else bf16). The threads split the
+   32-output blocks; each block runs every input row, up to 8 at a time. */
+static void gemv(const void *w, const float *scale, const uint16_t *x, int64_t ldx, void *y, const float *b,
+                 int64_t M, int64_t N, int64_t K, int f32, int threads) {
     const int64_t blocks = N / 32;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
-        const int8_t *qb = qp + blk * 32 * K;
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const int64_t left = M - m0;
+            const int64_t left = M - m0, n = blk * 32;
             const uint16_t *xm = x + m0 * ldx;
             char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
-            const int64_t n = blk * 32;
-            switch (left < 8 ? left : 8) {
-                case 8: tile8(qb, K, xm, ldx, 8, ym, N, n, scale, b, f32); break;
-                case 7: tile8(qb, K, xm, ldx, 7, ym, N, n, scale, b, f32); break;
-                case 6: tile8(qb, K, xm, ldx, 6, ym, N, n, scale, b, f32); break;
-                case 5: tile8(qb, K, xm, ldx, 5, ym, N, n, scale, b, f32); break;
-                case 4: tile8(qb, K, xm, ldx, 4, ym, N, n, scale, b, f32); break;
-                case 3: tile8(qb, K, xm, ldx, 3, ym, N, n, scale, b, f32); break;
-                case 2: tile8(qb, K, xm, ldx, 2, ym, N, n, scale, b, f32); break;
-                default: tile8(qb, K, xm, ldx, 1, ym, N, n, scale, b, f32); break;
+            if (scale) {
+                const int8_t *qb = (const int8_t *)w + blk * 32 * K;
+                #define TILE(mb) tile8(qb, K, xm, ldx, mb, ym, N, n, scale, b, f32)
+                BY_ROWS(left, TILE)
+                #undef TILE
+            } else {
+                const uint16_t *wb = (const uint16_t *)w + blk * 32 * K;
+                #define TILE(mb) tile(wb, K, xm, ldx, mb, ym, N, n, b, f32)
+                BY_ROWS(left, TILE)
+                #undef TILE
             }
         }
     }
+}
+
+void agentmem_gemv_bf16(const uint16_t *wp, const uint16_t *x, int64_t ldx, void *y, const float *b,
+                        int64_t M, int64_t N, int64_t K, int f32, int threads) {
+    gemv(wp, 0, x, ldx, y, b, M, N, K, f32, threads);
+}
+
+void agentmem_gemv_int8(const int8_t *qp, const float *scale, const uint16_t *x, int64_t ldx, void *y,
+                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
+    gemv(qp, scale, x, ldx, y, b, M, N, K, f32, threads);
 }
 
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
