@@ -14,7 +14,9 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   engine dtype (`_weight_int8pack_mm`): half the bytes of bf16 per decode step. Up to
   `cpu_gemv.MAX_ROWS` rows on AVX512-BF16, the engine's int8 kernel instead (the weights
   widened to bf16 in registers, then as the bf16 kernel; a whole token 6.4 ms against 8.5
-  for bf16 and 9.8 for `_weight_int8pack_mm` at one row, 9.1 / 10.7 / 26.4 at eight). (fbgemm's
+  for bf16 and 9.8 for `_weight_int8pack_mm` at one row, 9.1 / 10.7 / 26.4 at eight), and
+  more rows (prefill) through a bf16 copy packed for oneDNN at the first such call: with the
+  kernels int8 buys decode speed, not memory. (fbgemm's
   int8 x int8 product, which also quantizes each activation row, ran 2x faster per row but
   raised SmolLM2's perplexity by 15%: the activations have outlier channels.)
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
@@ -78,6 +80,7 @@ class Proj:
         self.max_rows = transposed_max_rows
         self.w: torch.Tensor | None = None
         self.w_gemv: torch.Tensor | None = None  # the GEMV kernel's layout (cpu_gemv.pack)
+        self._prefill_w: torch.Tensor | None = None  # int8 with the kernels: the bf16 weight for many rows
         self.w_t: torch.Tensor | None = None
         self.packed = None
         self._key: torch.Tensor | None = None
@@ -121,11 +124,18 @@ class Proj:
                     and (lib := cpu_gemv.loaded())):
                 return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias)
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
-                # many rows (prefill): dequantized to bf16 for this call, then oneDNN's bf16
-                # product; 512 rows of the widest projection took 4.6 ms so, 4.2 with the packed
-                # bf16 weight and 12.6 through `_weight_int8pack_mm`
-                w = self.packed.to(torch.bfloat16) * self.scale.to(torch.bfloat16)[:, None]
-                return F.linear(x, w, self.bias)
+                # many rows (prefill): the dequantized weight in bf16, oneDNN-packed once at the
+                # first such call and kept (512 rows of the widest projection: 4.2 ms so, 4.6
+                # dequantizing at every call, which cost a short prompt ~40 ms a forward, and
+                # 12.6 through `_weight_int8pack_mm`). So with the kernels int8 is a speed
+                # format, not a memory one: int8 for decode, bf16 for prefill.
+                if self._prefill_w is None:
+                    w = (self.packed.float() * self.scale[:, None]).to(torch.bfloat16)
+                    self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if onednn_bf16() else w
+                if onednn_bf16():
+                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._prefill_w, self.bias, "none",
+                                                              [], "")
+                return F.linear(x, self._prefill_w, self.bias)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.fmt == "int4":
