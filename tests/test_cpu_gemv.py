@@ -123,3 +123,17 @@ def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
         ref = x.float() @ dequantized.t()
         assert (p(x).float() - ref).abs().max() < 0.02 * ref.abs().max()  # the bf16 output's rounding
     assert calls == [1, cpu_gemv.MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (8, 960), (3, 100)])
+def test_rms_norm_rounds_as_the_torch_path(lib, rows, dim):
+    import torch.nn.functional as F
+
+    from agentmem.engine.layers import rms_norm
+
+    g = torch.Generator().manual_seed(dim)
+    x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+    w = (torch.rand(dim, generator=g) + 0.5).bfloat16()
+    ref = w * F.rms_norm(x.float(), w.shape, eps=1e-5).to(torch.bfloat16)  # the engine's bf16 rule
+    assert torch.equal(cpu_gemv.rms_norm(lib, x, w, 1e-5), ref)
+    assert torch.equal(rms_norm(x, w, 1e-5), ref)  # what the layers call for decode rows

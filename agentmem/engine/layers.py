@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import cpu_gemv
+
 # RoPE types the engine computes; HF's others (yarn, longrope, ...) fail at load.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -32,6 +34,9 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
         return F.rms_norm(x, weight.shape, weight, eps)
+    if (x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16
+            and x.device.type == "cpu" and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
+        return cpu_gemv.rms_norm(lib, x, weight, eps)  # decode rows: one C call, the same rounding
     # normalised in fp32 and cast back before the weight, as HF does
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
