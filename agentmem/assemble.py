@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .compress.policy import BudgetPolicy
 from .engine import Segment
-from .tiers.records import CoreBlock, Hit, Message
+from .tiers.records import CoreBlock, Hit, Message, own_reply
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this, a hit that only embeddings found is noise, not memory
@@ -104,7 +104,7 @@ def note_hits(hits: list[Hit]) -> list[Hit]:
             continue
         if weak(h):
             continue  # only a weak embedding match: noise
-        if h.kind == "message" and h.role == "assistant" and not h.name:
+        if h.kind == "message" and own_reply(h.role, h.name):
             # the small model's own earlier replies are unreliable, and as notes it copies
             # them word for word instead of answering (seen in the demo); search still finds
             # them. A named speaker's turn (an imported conversation) is a person's words.

@@ -54,7 +54,7 @@ from .archive import Archive
 from .byte_lru import ByteLRU
 from .keys import context_view
 from .query import ParsedQuery, information, parse_query, words
-from .records import Hit, Memory, Message, MessageMeta
+from .records import Hit, Memory, Message, MessageMeta, own_reply
 from .timeparse import warm_up
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
@@ -820,7 +820,7 @@ class Recall:
             when = row.time
             if (since is not None and when < since) or (until is not None and when > until):
                 continue
-            if not own_replies and isinstance(row, MessageMeta) and row.role == "assistant" and not row.name:
+            if not own_replies and isinstance(row, MessageMeta) and own_reply(row.role, row.name):
                 continue
             if mention and isinstance(row, Memory) and "facts" in c.ranks and any(p in row.text.lower() for p in mention):
                 c.ranks["person"] = c.ranks["facts"]  # a fact about the person asked about: their vote too
@@ -832,7 +832,7 @@ class Recall:
                 score *= ui.info.get(row.id, 1.0)
                 if row.id in ui.asks:
                     score *= QUESTION_WEIGHT
-                if row.role == "assistant" and not row.name:
+                if own_reply(row.role, row.name):
                     score *= ASSISTANT_WEIGHT * (LOOPED_WEIGHT if row.id in looped else 1.0)
             if pq.window is not None:
                 if pq.window.contains(when):

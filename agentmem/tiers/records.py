@@ -75,6 +75,13 @@ class Message(_Record):
         return self.event_time or self.created_at
 
 
+def own_reply(role: str, name: str | None) -> bool:
+    """Whether a turn is the assistant's own reply: an assistant turn with no speaker's name (an
+    imported conversation's named speakers are people's words). Recall weighs such turns down,
+    and the prompt never shows them as notes."""
+    return role == "assistant" and not name
+
+
 @dataclass(frozen=True)
 class MessageMeta:
     """What ranking reads of a candidate message, without its text."""
