@@ -93,12 +93,12 @@ def _drop_common(s, terms: list[str]) -> list[str]:
     """`terms` without the very common words (see the module docstring); the rarest word stays
     when all are common. A word whose stem the vocabulary does not know is kept."""
     rows = _indexed_rows(s)
-    cap = max(COMMON_MIN_ROWS, COMMON_SHARE * rows)
     if rows <= COMMON_MIN_ROWS:
         return terms
+    cap = max(COMMON_MIN_ROWS, COMMON_SHARE * rows)
     stems = {t: _stem(t) for t in terms}
-    names = [f"s{i}" for i in range(len(set(stems.values())))]
-    params = dict(zip(names, sorted(set(stems.values())), strict=True))
+    params = {f"s{i}": stem for i, stem in enumerate(sorted(set(stems.values())))}
+    names = list(params)
     try:
         counts = dict(s.execute(text(f"SELECT term, doc FROM message_fts_vocab WHERE term IN "
                                      f"({', '.join(':' + n for n in names)})"), params).all())
