@@ -104,11 +104,11 @@ def test_int8_gemv_matches_the_dequantized_product(lib, rows, out, inp):
     x = torch.randn(rows, inp, generator=g).bfloat16()
     b = torch.randn(out, generator=g)
     ref = x.float() @ (q.float() * scale[:, None]).t() + b
-    y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack_int8(q), scale, x, b, torch.float32)
+    y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x, b, torch.float32)
     assert y.shape == (rows, out)
     assert (y - ref).abs().max() < 1e-4 * ref.abs().max()  # int8 values are exact in bf16
     with pytest.raises(ValueError, match="bf16"):
-        cpu_gemv.gemv_int8(lib, cpu_gemv.pack_int8(q), scale, x.float())
+        cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x.float())
 
 
 def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):

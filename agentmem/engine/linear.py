@@ -92,7 +92,7 @@ class Proj:
             self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
             self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             if cpu_gemv.loaded() is not None and cpu_gemv.fits(w):  # few rows: the int8 kernel
-                self.w_gemv = cpu_gemv.pack_int8(self.packed)
+                self.w_gemv = cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
             self.packed, self.scales_zeros = _int4_pack(w)
         elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
@@ -133,8 +133,7 @@ class Proj:
                     w = (self.packed.float() * self.scale[:, None]).to(torch.bfloat16)
                     self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if onednn_bf16() else w
                 if onednn_bf16():
-                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._prefill_w, self.bias, "none",
-                                                              [], "")
+                    return _onednn(x, self._prefill_w, self.bias)
                 return F.linear(x, self._prefill_w, self.bias)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
@@ -145,10 +144,15 @@ class Proj:
         if self.packed is not None:
             if self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and (lib := cpu_gemv.loaded()):
                 return cpu_gemv.gemv(lib, self.w_gemv, x, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            return _onednn(x, self.packed, self.bias)
         if self.w_t is not None and x.shape[0] <= self.max_rows:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
         return F.linear(x, self.w, self.bias)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a weight oneDNN packed (`_reorder_linear_weight`)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 _REGISTRY: dict[int, weakref.ref[Proj]] = {}
@@ -252,9 +256,14 @@ PREFILL_SLACK = 1.15  # int8 may prefill this much slower than the engine dtype,
 RULE = f"cold decode, {PREFILL_ROWS} rows within {PREFILL_SLACK}x"  # the choice's rule, kept with it
 
 
+def _timing_dtype(fmt: str) -> torch.dtype:
+    """The activations' dtype a format is timed with: its own for dense, the engine's otherwise."""
+    return torch.bfloat16 if fmt == "bf16" or (fmt != "fp32" and onednn_bf16()) else torch.float32
+
+
 def rows_seconds(fmt: str, shape: tuple[int, int], rows: int, repeats: int = 3) -> float:
     """Best-of-`repeats` seconds (process CPU time) of one `rows`-row product in format `fmt`."""
-    dtype = torch.bfloat16 if fmt == "bf16" or (fmt != "fp32" and onednn_bf16()) else torch.float32
+    dtype = _timing_dtype(fmt)
     p = Proj(torch.randn(shape).to(dtype), fmt=fmt)
     x = torch.randn(rows, shape[1]).to(dtype)
     p(x)
@@ -275,7 +284,7 @@ def one_row_seconds(fmt: str, shape: tuple[int, int], repeats: int = 200) -> flo
     the cache (COLD_BYTES as bf16), as a decode step streams every weight from memory: on one
     weight that stays in cache, int8's widening instructions outweighed its halved bytes
     (78-86 us against 62-75 for bf16 on the EPYC VM) while over a whole token it is 24% faster."""
-    dtype = torch.bfloat16 if fmt == "bf16" or (fmt != "fp32" and onednn_bf16()) else torch.float32
+    dtype = _timing_dtype(fmt)
     copies = max(2, min(256, -(-COLD_BYTES // (shape[0] * shape[1] * 2))))
     ps = [Proj(torch.randn(shape).to(dtype), fmt=fmt) for _ in range(copies)]
     x = torch.randn(1, shape[1]).to(dtype)

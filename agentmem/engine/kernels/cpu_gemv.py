@@ -82,37 +82,11 @@ static inline void store(void *y, int64_t off, __m512 v, const float *b, int f32
     case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
     case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); break; }
 
-/* One 32-output block against `mb` (1-8) input rows: up to 16 accumulators, 2 weight vectors
-   and an input pair broadcast per step. Inlined with a constant `mb`, the loops unroll. */
-static inline __attribute__((always_inline)) void tile(const uint16_t *wb, int64_t K, const uint16_t *x,
-                                                       int64_t ldx, const int mb, void *y, int64_t N,
-                                                       int64_t n, const float *b, int f32) {
-    __m512 acc[8][2];
-    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    const uint16_t *w0 = wb, *w1 = wb + 16 * K;
-    for (int64_t k = 0; k < K; k += 2) {
-        __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + 16 * k);
-        __m512bh c = (__m512bh)_mm512_loadu_si512(w1 + 16 * k);
-        for (int i = 0; i < mb; i++) {
-            int32_t pair;
-            memcpy(&pair, x + i * ldx + k, 4);
-            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, xv);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], c, xv);
-        }
-    }
-    for (int i = 0; i < mb; i++) {
-        store(y, i * N + n, acc[i][0], b ? b + n : 0, f32);
-        store(y, i * N + n + 16, acc[i][1], b ? b + n + 16 : 0, f32);
-    }
-}
-
-/* int8 weights, one fp32 scale per output: y[m, n] = s[n] * sum_k x[m, k] q[n, k] (+ b[n]).
-   qp is q packed as [N/16][K/2][16][2] int8 (N a multiple of 32, K even), the bf16 kernel's
-   layout: 32 bytes hold the input pair (k, k+1) for 16 outputs. They are widened to bf16 in
-   registers (int8 values are exact in bf16) and summed with `vdpbf16ps` against the input pair
-   broadcast, as the bf16 kernel does: half its weight bytes read, five more instructions per
-   32 bytes, which 8 input rows share. */
+/* int8 weights, one fp32 scale per output (`q8`): w[n, k] = s[n] * q[n, k], q packed in the
+   same layout, 32 bytes holding the input pair (k, k+1) for 16 outputs. They are widened to
+   bf16 in registers (int8 values are exact in bf16) and summed with `vdpbf16ps` as bf16
+   weights are: half the weight bytes read, five more instructions per 32 bytes, which 8 input
+   rows share. */
 static inline __attribute__((always_inline)) __m512bh widen(const int8_t *p) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
@@ -120,14 +94,21 @@ static inline __attribute__((always_inline)) __m512bh widen(const int8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-static inline __attribute__((always_inline)) void tile8(const int8_t *qb, int64_t K, const uint16_t *x,
-                                                        int64_t ldx, const int mb, void *y, int64_t N,
-                                                        int64_t n, const float *s, const float *b, int f32) {
+/* 16 outputs x an input pair of the packed weight, from element `off` on, as bf16 */
+static inline __attribute__((always_inline)) __m512bh weights(const void *w, int64_t off, const int q8) {
+    return q8 ? widen((const int8_t *)w + off) : (__m512bh)_mm512_loadu_si512((const uint16_t *)w + off);
+}
+
+/* One 32-output block against `mb` (1-8) input rows: up to 16 accumulators, 2 weight vectors
+   and an input pair broadcast per step. Inlined with constant `mb` and `q8`, the loops unroll
+   and the weight format's branch goes. */
+static inline __attribute__((always_inline)) void tile(const void *wb, const int q8, int64_t K, const uint16_t *x,
+                                                       int64_t ldx, const int mb, void *y, int64_t N,
+                                                       int64_t n, const float *s, const float *b, int f32) {
     __m512 acc[8][2];
     for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    const int8_t *q0 = qb, *q1 = qb + 16 * K;
     for (int64_t k = 0; k < K; k += 2) {
-        __m512bh w0 = widen(q0 + 16 * k), w1 = widen(q1 + 16 * k);
+        __m512bh w0 = weights(wb, 16 * k, q8), w1 = weights(wb, 16 * K + 16 * k, q8);
         for (int i = 0; i < mb; i++) {
             int32_t pair;
             memcpy(&pair, x + i * ldx + k, 4);
@@ -136,10 +117,13 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *qb, int64_
             acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
         }
     }
-    __m512 s0 = _mm512_loadu_ps(s + n), s1 = _mm512_loadu_ps(s + n + 16);
     for (int i = 0; i < mb; i++) {
-        store(y, i * N + n, _mm512_mul_ps(acc[i][0], s0), b ? b + n : 0, f32);
-        store(y, i * N + n + 16, _mm512_mul_ps(acc[i][1], s1), b ? b + n + 16 : 0, f32);
+        if (q8) {
+            acc[i][0] = _mm512_mul_ps(acc[i][0], _mm512_loadu_ps(s + n));
+            acc[i][1] = _mm512_mul_ps(acc[i][1], _mm512_loadu_ps(s + n + 16));
+        }
+        store(y, i * N + n, acc[i][0], b ? b + n : 0, f32);
+        store(y, i * N + n + 16, acc[i][1], b ? b + n + 16 : 0, f32);
     }
 }
 
@@ -147,8 +131,8 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *qb, int64_
    of 32, K even): bf16 weights (scale NULL), or int8 ones with y scaled by scale[n]. x bf16
    [M, K] with rows `ldx` apart, y [M, N] (fp32 if f32, else bf16). The threads split the
    32-output blocks; each block runs every input row, up to 8 at a time. */
-static void gemv(const void *w, const float *scale, const uint16_t *x, int64_t ldx, void *y, const float *b,
-                 int64_t M, int64_t N, int64_t K, int f32, int threads) {
+void agentmem_gemv(const void *w, const float *scale, const uint16_t *x, int64_t ldx, void *y, const float *b,
+                  int64_t M, int64_t N, int64_t K, int f32, int threads) {
     const int64_t blocks = N / 32;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -157,28 +141,16 @@ static void gemv(const void *w, const float *scale, const uint16_t *x, int64_t l
             const uint16_t *xm = x + m0 * ldx;
             char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
             if (scale) {
-                const int8_t *qb = (const int8_t *)w + blk * 32 * K;
-                #define TILE(mb) tile8(qb, K, xm, ldx, mb, ym, N, n, scale, b, f32)
+                #define TILE(mb) tile((const int8_t *)w + blk * 32 * K, 1, K, xm, ldx, mb, ym, N, n, scale, b, f32)
                 BY_ROWS(left, TILE)
                 #undef TILE
             } else {
-                const uint16_t *wb = (const uint16_t *)w + blk * 32 * K;
-                #define TILE(mb) tile(wb, K, xm, ldx, mb, ym, N, n, b, f32)
+                #define TILE(mb) tile((const uint16_t *)w + blk * 32 * K, 0, K, xm, ldx, mb, ym, N, n, 0, b, f32)
                 BY_ROWS(left, TILE)
                 #undef TILE
             }
         }
     }
-}
-
-void agentmem_gemv_bf16(const uint16_t *wp, const uint16_t *x, int64_t ldx, void *y, const float *b,
-                        int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    gemv(wp, 0, x, ldx, y, b, M, N, K, f32, threads);
-}
-
-void agentmem_gemv_int8(const int8_t *qp, const float *scale, const uint16_t *x, int64_t ldx, void *y,
-                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    gemv(qp, scale, x, ldx, y, b, M, N, K, f32, threads);
 }
 
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
@@ -317,6 +289,12 @@ void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint
 """
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+_P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {  # the library's functions and their arguments
+    "agentmem_gemv": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
+    "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
+    "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
+}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
@@ -360,21 +338,9 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
                 subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
                 os.replace(tmp, so)
             lib = ctypes.CDLL(str(so))
-            fn = lib.agentmem_gemv_bf16
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-            fn.restype = None
-            fn = lib.agentmem_gemv_int8
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-            fn.restype = None
-            fn = lib.agentmem_rms_norm_bf16
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_int64, ctypes.c_float]
-            fn.restype = None
-            fn = lib.agentmem_decode_attn_bf16
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-            fn.restype = None
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, None
             _lib = lib
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
@@ -405,53 +371,36 @@ def usable(w: torch.Tensor) -> bool:
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of `w` [N, K]: [N/16, K/2, 16, 2] (a copy)."""
+    """The kernels' layout of `w` [N, K] (bf16, or int8 for `gemv_int8`): [N/16, K/2, 16, 2] (a copy)."""
     n, k = w.shape
     return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def gemv(lib: ctypes.CDLL, wp: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] (bf16) @ w.T (+ bias) -> [M, out] in `out_dtype` (bf16 or fp32), for `wp` =
-    pack(w)."""
+    pack(w) of a bf16 weight, or of int8 weights q with `scale` (fp32 [out]): w = q * scale[:, None]."""
     n, k = wp.shape[0] * 16, wp.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"gemv: x has {x.shape[-1]} inputs, the weight {k}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out_dtype = out_dtype or x.dtype
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype)
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    lib.agentmem_gemv_bf16(wp.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                           None if bias is None else bias.data_ptr(), m, n, k,
-                           int(out_dtype == torch.float32), torch.get_num_threads())
-    return y
-
-
-def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """The int8 kernel's layout of `q` [N, K] (int8): [N/16, K/2, 16, 2], as `pack` (a copy)."""
-    return pack(q)
-
-
-def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-              bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, in] (bf16) @ (q * scale[:, None]).T (+ bias) -> [M, out] in `out_dtype` (bf16 or
-    fp32), for `qp` = pack_int8(q) and `scale` fp32 [out]."""
-    n, k = qp.shape[0] * 16, qp.shape[1] * 2
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"gemv_int8: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
+        raise ValueError(f"gemv: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
+    if (scale is None) != (wp.dtype == torch.bfloat16):
+        raise ValueError(f"gemv: a {wp.dtype} weight {'takes no' if scale is not None else 'needs a'} scale")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out_dtype = out_dtype or x.dtype
     y = torch.empty(x.shape[0], n, dtype=out_dtype)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    lib.agentmem_gemv_int8(qp.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                           None if bias is None else bias.data_ptr(), x.shape[0], n, k,
-                           int(out_dtype == torch.float32), torch.get_num_threads())
+    lib.agentmem_gemv(wp.data_ptr(), None if scale is None else scale.data_ptr(), x.data_ptr(), x.stride(0),
+                      y.data_ptr(), None if bias is None else bias.data_ptr(), x.shape[0], n, k,
+                      int(out_dtype == torch.float32), torch.get_num_threads())
     return y
+
+
+def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`gemv` of int8 weights: x @ (q * scale[:, None]).T (+ bias), for `qp` = pack(q)."""
+    return gemv(lib, qp, x, bias, out_dtype, scale=scale)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
