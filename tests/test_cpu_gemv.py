@@ -47,6 +47,14 @@ def test_gemv_takes_only_what_its_layout_holds(lib):
     assert not cpu_gemv.usable(torch.zeros(64, 96))  # fp32
     with pytest.raises(ValueError, match="inputs"):
         cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 64).bfloat16())
+    with pytest.raises(ValueError, match="bf16"):  # x of another dtype would be read as bf16
+        cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 96))
+    q = cpu_gemv.pack(torch.zeros(64, 96, dtype=torch.int8))
+    with pytest.raises(ValueError, match="needs a scale"):
+        cpu_gemv.gemv(lib, q, torch.zeros(1, 96).bfloat16())
+    with pytest.raises(ValueError, match="takes no scale"):
+        cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 96).bfloat16(),
+                      scale=torch.ones(64))
 
 
 def test_proj_uses_the_kernel_for_few_rows_only(lib, monkeypatch):
