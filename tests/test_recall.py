@@ -492,3 +492,32 @@ def test_bench_memory_repeats_its_questions_under_other_sampling_seeds(capsys):
     assert len(by_seed) == 2 and all(0 <= a <= 1 for a in by_seed)
     assert by_seed[0] == got["answer_accuracy"] and got["answer_accuracy_mean"] == sum(by_seed) / 2
     assert got["questions"] == 4 and got["evidence_in_prompt"] >= 0.75
+
+
+def test_small_talk_said_again_and_again_yields_to_a_fact_said_once(tmp_path, embedder, monkeypatch):
+    """The specificity prior (tiers/specific.py): fused without it, "Where does Arjun work?"
+    ranks every pyjamas turn (a word in common, the person asked about) above the pharmacy
+    turn said once; with it, the pharmacy turn is first. The statistics are saved with the
+    index and read back on reopen."""
+    from agentmem.tiers import specific
+
+    chatter = [("Arjun", f"Working from home today, still in pyjamas at {3 + d % 6}pm", d) for d in range(40)]
+    other = [("Lena", f"Ha, same here on day {d}, how is the weather your side", d) for d in range(40)]
+    fact = ("Arjun", "First week at the hospital pharmacy done, everyone is lovely", 41)
+    turns = [t for pair in zip(chatter, other, strict=True) for t in pair] + [fact]
+    store = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    ids = _conversation(store, sessions=[turns])
+    q = "Where does Arjun work?"
+    assert store.search("default", "alice", q, k=3)[0].id == ids[fact[1]]
+    with monkeypatch.context() as m:
+        m.setattr(specific, "EXPONENT", 0.0)
+        assert ids[fact[1]] not in [h.id for h in store.search("default", "alice", q, k=5)]
+    store.close()
+    again = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    ui = again.recall.sync("default", "alice")
+    assert len(ui.terms) == len(turns)
+    assert ui.terms.weight(ids[fact[1]]) > 0.9 and ui.terms.weight(ids[turns[0][1]]) < 0.2
+    assert again.search("default", "alice", q, k=3)[0].id == ids[fact[1]]
+    again.delete_user("default", "alice")
+    assert len(again.recall.sync("default", "alice").terms) == 0
+    again.close()

@@ -53,8 +53,9 @@ import numpy as np
 from .archive import Archive
 from .byte_lru import ByteLRU
 from .keys import context_view
-from .query import ParsedQuery, information, parse_query, words
+from .query import ParsedQuery, content_terms, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta, own_reply
+from .specific import TermStats
 from .timeparse import warm_up
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
@@ -97,7 +98,7 @@ _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT, _VIEW_SENTENCE = 0, 1, 2
 SENTENCE_MIN_WORDS = 16  # a turn this long with two sentences or more gets a vector per sentence too
 _SENTENCE = re.compile(r"(?<=[.!?…])\s+(?=\S)|\n+")
-_INDEX_VERSION = 7  # 6: a vector per sentence of long turns; 7: each turn's speaker
+_INDEX_VERSION = 8  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -160,6 +161,7 @@ class UserIndex:
     times: dict[int, float] = field(default_factory=dict)  # message id -> its time, for time filters
     info: dict[int, float] = field(default_factory=dict)  # message id -> query.information of its text
     asks: set[int] = field(default_factory=set)  # messages that only ask (one sentence, a question)
+    terms: TermStats = field(default_factory=TermStats)  # word statistics for the specificity prior
     who: dict[int, int] = field(default_factory=dict)  # message id -> its speaker's code (named speakers only)
     codes: dict[str, int] = field(default_factory=dict)  # speaker name -> code, in order of first appearance
     mtimes: dict[int, float] = field(default_factory=dict)  # memory id -> its time (unix s)
@@ -238,6 +240,7 @@ class UserIndex:
         names = {p for s in self.speakers for p in words(s)}
         for m in messages:
             self.info[m.id] = information(m.text, names)
+            self.terms.add(m.id, content_terms(m.text, names))
             if _only_asks(m.text):
                 self.asks.add(m.id)
 
@@ -370,6 +373,7 @@ class Recall:
                 if asks:
                     ui.asks.add(int(row))
             ui.mtimes = {int(i): t for i, t in tables["memory_times"].tolist()}
+            ui.terms = TermStats.from_state(tables)
             ui.low_id = min(ui.messages, default=0)
             ui.recent = sorted(i for i in ui.messages if i > ui.top_id - LOOKBACK_IDS)
             ui._place(list(ui.pieces), list(ui.pieces.values()))
@@ -392,7 +396,8 @@ class Recall:
         tmp = meta_path.with_suffix(f".npz.{tag}")
         with open(tmp, "wb") as f:
             np.savez(f, pieces=pieces, messages=rows, memory_times=np.asarray(
-                [(i, ui.mtimes.get(i, np.nan)) for i in ui.memories], dtype=np.float64).reshape(-1, 2))
+                [(i, ui.mtimes.get(i, np.nan)) for i in ui.memories], dtype=np.float64).reshape(-1, 2),
+                **ui.terms.state())
         os.replace(tmp, meta_path.with_suffix(".npz"))
         tmp = meta_path.with_suffix(f".json.{tag}")
         tmp.write_text(json.dumps({"version": _INDEX_VERSION, "memories": ui.memories, "top_id": ui.top_id,
@@ -467,9 +472,10 @@ class Recall:
                             ui.info.pop(i, None)
                             ui.who.pop(i, None)
                             ui.asks.discard(i)
+                            ui.terms.remove(i)
                         if not want:
                             ui.top_id, ui.newest, ui.speakers, ui.times, ui.info = 0, 0.0, set(), {}, {}
-                            ui.who, ui.codes, ui.asks = {}, {}, set()
+                            ui.who, ui.codes, ui.asks, ui.terms = {}, {}, set(), TermStats()
                         ui.low_id = min(want, default=0)
                         ui.recent = sorted(i for i in ui.messages if i > ui.top_id - LOOKBACK_IDS)
                         ui.counted_at = -math.inf  # count again next time: the reconcile may have raced
@@ -804,7 +810,8 @@ class Recall:
         # the archive's metadata (time, speaker, session) only for the head of the fused
         # ranking: the factors applied below multiply a score by at most a few times, and a
         # long question's candidate set holds several hundred turns (a query each way)
-        msg_cands = sorted((c for c in cands.values() if c.kind == _MESSAGE), key=_fused_score, reverse=True)
+        msg_cands = sorted((c for c in cands.values() if c.kind == _MESSAGE),
+                           key=lambda c: _fused_score(c) * _prior(ui, c.row_id, pq), reverse=True)
         if len(msg_cands) > META_CANDIDATES:
             for c in msg_cands[META_CANDIDATES:]:
                 del cands[(c.kind, c.row_id)]
@@ -829,7 +836,7 @@ class Recall:
             if isinstance(row, Memory):
                 score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
             else:
-                score *= ui.info.get(row.id, 1.0)
+                score *= ui.info.get(row.id, 1.0) * ui.terms.weight(row.id)
                 if row.id in ui.asks:
                     score *= QUESTION_WEIGHT
                 if own_reply(row.role, row.name):
@@ -892,6 +899,22 @@ class Recall:
         return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
                    0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name,
                    context=near.get(msg.id))
+
+
+def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery) -> float:
+    """The factors of `_rank` that the index's own tables can tell for a message (its
+    information and specificity, whether it only asks, its time against the question's window, its speaker
+    against the people named), applied before the metadata cut: a turn inside the window,
+    by the person asked about, ranked far down the whole history ("Which dish did Tom make
+    in July 2022?" among a year of both people cooking) must not be cut before its boosts."""
+    f = ui.info.get(row_id, 1.0) * ui.terms.weight(row_id) * (QUESTION_WEIGHT if row_id in ui.asks else 1.0)
+    t = ui.times.get(row_id)
+    if pq.window is not None and t is not None:
+        lo, hi = pq.window.since.timestamp(), pq.window.until.timestamp()
+        f *= WINDOW_BOOST if lo <= t < hi else NEAR_WINDOW_BOOST if lo - 7 * 86400 <= t < hi + 7 * 86400 else 1.0
+    if pq.people and row_id in ui.who:
+        f *= SPEAKER_BOOST if any(ui.codes.get(p) == ui.who[row_id] for p in pq.people) else 1.0
+    return f
 
 
 def _fused_score(c: _Cand) -> float:
@@ -991,7 +1014,8 @@ def _index_bytes(ui: UserIndex) -> int:
     """An estimate of a user's index in memory: its vectors (with FAISS's id map), and the
     Python tables beside them, a few hundred bytes per vector and per message."""
     n = ui.index.ntotal
-    return n * (4 * ui.index.d + 16) + 250 * (len(ui.pieces) + len(ui.memories)) + 300 * len(ui.messages) + 4096
+    return n * (4 * ui.index.d + 16) + 250 * (len(ui.pieces) + len(ui.memories)) + 300 * len(ui.messages) + 4096 \
+        + ui.terms.nbytes()
 
 
 def _aware(t: datetime | None) -> datetime | None:

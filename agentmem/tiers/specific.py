@@ -1,0 +1,110 @@
+"""How specific a turn is: a query-independent prior from the user's own word statistics.
+
+Small talk comes back: "Working from home today, still in pyjamas", "How's the weather your
+side?", "Busy busy, but nothing exciting" are said again and again over months of chat, and
+they sit close to many questions in a sentence embedding ("Where does Arjun work?" ranks
+every pyjamas turn above "First week at the hospital pharmacy done"). A fact is usually said
+once, in words the rest of the history does not use (pharmacy, Khruangbin, shakshuka).
+
+A turn's specificity is the mean inverse document frequency, over this user's messages, of
+its two rarest content words (a missing second word counts 0), over the largest possible
+value, log N; the prior is that share squared (`EXPONENT`). A turn with two words said
+nowhere else weighs 1; one whose rarest words each occur in 3% of the turns weighs ~0.25;
+one with no content word, 0 (the information prior already weighed it down). Statistics are
+per user, kept in step with the index (added and removed with the messages), so they
+describe this conversation, not a corpus it never saw. Below `MIN_MESSAGES` there is no
+reliable statistic and every turn weighs 1.
+
+Measured on generated conversations (dev seeds 1 and 2, 357 questions, recall@10, the
+same run): exponent 0 (off) 0.733 / 0.676, 1: 0.761 / 0.707, 2: 0.786 / 0.742, 3: 0.820 /
+0.781. The gain grows with the exponent because the generator's small talk repeats its
+templates more than people repeat themselves; 2 is kept, not 3, so that a recurring topic
+of a real user ("painting", said in forty turns) is not pushed out when a question asks
+about it: a real turn of twenty words nearly always holds two words the user rarely says.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+EXPONENT = 2.0
+MIN_MESSAGES = 50
+MAX_WORDS = 64  # content words kept per message (a long message is specific anyway)
+
+
+class TermStats:
+    """Document frequencies of content words over one user's messages, and each message's
+    words (as vocabulary ids), so a message's weight reads the frequencies as they are now."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self.df = np.zeros(256, dtype=np.int32)
+        self.terms: dict[int, np.ndarray] = {}
+        self.held = 0  # word ids held over all messages
+
+    def __len__(self) -> int:
+        return len(self.terms)
+
+    def add(self, message_id: int, words: list[str]) -> None:
+        if message_id in self.terms:
+            return
+        ids = np.fromiter((self._id(w) for w in dict.fromkeys(words[:MAX_WORDS])), dtype=np.int32)
+        self.df[ids] += 1
+        self.terms[message_id] = ids
+        self.held += len(ids)
+
+    def remove(self, message_id: int) -> None:
+        ids = self.terms.pop(message_id, None)
+        if ids is not None:
+            self.df[ids] -= 1
+            self.held -= len(ids)
+
+    def _id(self, word: str) -> int:
+        i = self.vocab.get(word)
+        if i is None:
+            i = self.vocab[word] = len(self.vocab)
+            if i >= len(self.df):
+                self.df = np.concatenate([self.df, np.zeros(len(self.df), dtype=np.int32)])
+        return i
+
+    def weight(self, message_id: int) -> float:
+        """The prior of a message: (specificity / log N) ** EXPONENT; 1 for a message without
+        statistics (not seen yet) or while the user has fewer than MIN_MESSAGES."""
+        n = len(self.terms)
+        ids = self.terms.get(message_id)
+        if ids is None or n < MIN_MESSAGES:
+            return 1.0
+        if not len(ids):
+            return 0.0
+        df = np.sort(np.maximum(self.df[ids], 1))[:2]
+        spec = float(np.log(n / df).sum()) / 2
+        return max(0.0, min(1.0, spec / math.log(n))) ** EXPONENT
+
+    # --- persistence (the user's index files) ---
+    def state(self) -> dict[str, np.ndarray]:
+        rows = np.fromiter(self.terms, dtype=np.int64, count=len(self.terms))
+        lengths = np.fromiter((len(v) for v in self.terms.values()), dtype=np.int64, count=len(self.terms))
+        flat = np.concatenate(list(self.terms.values())) if self.terms else np.zeros(0, dtype=np.int32)
+        words = np.asarray(sorted(self.vocab, key=self.vocab.get), dtype=np.str_)
+        return {"term_rows": rows, "term_lengths": lengths, "term_ids": flat.astype(np.int32), "term_vocab": words}
+
+    @classmethod
+    def from_state(cls, tables) -> TermStats:
+        out = cls()
+        words = tables["term_vocab"].tolist()
+        out.vocab = {w: i for i, w in enumerate(words)}
+        out.df = np.zeros(max(256, 2 * len(words)), dtype=np.int32)
+        flat = tables["term_ids"].astype(np.int32)
+        starts = np.concatenate([[0], np.cumsum(tables["term_lengths"])])
+        for j, row in enumerate(tables["term_rows"].tolist()):
+            out.terms[int(row)] = flat[starts[j]:starts[j + 1]]
+        np.add.at(out.df, flat, 1)
+        out.held = len(flat)
+        return out
+
+    def nbytes(self) -> int:
+        """An estimate of the memory it holds: per message an array and a dict entry, per word
+        its string and id."""
+        return 4 * int(self.df.size) + 180 * len(self.terms) + 4 * self.held + 90 * len(self.vocab)
