@@ -70,3 +70,16 @@ def test_vocabulary_grows_past_its_first_array():
     assert len(stats.vocab) == 401
     assert stats.df[stats.vocab["common"]] == 400
     assert stats.weight(7) == pytest.approx(((np.log(400) + np.log(1)) / 2 / np.log(400)) ** EXPONENT)
+
+
+def test_weights_of_many_equal_weight_of_each():
+    stats = _filled(120)
+    for i in range(30):
+        stats.add(3000 + i, content_terms(f"day {i % 7}: courgettes, chillies and {'tomatoes ' * (i % 3)}basil"))
+    stats.add(4000, [])
+    ids = [0, 1000, 1001, 4000, 3000, 3005, 3013, 424242]
+    got = stats.weights(ids)
+    assert got.keys() == set(ids)
+    for i in ids:
+        assert got[i] == pytest.approx(stats.weight(i), abs=1e-12), i
+    assert TermStats().weights([1, 2]) == {1: 1.0, 2: 1.0}

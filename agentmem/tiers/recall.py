@@ -810,8 +810,9 @@ class Recall:
         # the archive's metadata (time, speaker, session) only for the head of the fused
         # ranking: the factors applied below multiply a score by at most a few times, and a
         # long question's candidate set holds several hundred turns (a query each way)
+        specific = ui.terms.weights([c.row_id for c in cands.values() if c.kind == _MESSAGE])
         msg_cands = sorted((c for c in cands.values() if c.kind == _MESSAGE),
-                           key=lambda c: _fused_score(c) * _prior(ui, c.row_id, pq), reverse=True)
+                           key=lambda c: _fused_score(c) * _prior(ui, c.row_id, pq, specific), reverse=True)
         if len(msg_cands) > META_CANDIDATES:
             for c in msg_cands[META_CANDIDATES:]:
                 del cands[(c.kind, c.row_id)]
@@ -836,7 +837,7 @@ class Recall:
             if isinstance(row, Memory):
                 score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
             else:
-                score *= ui.info.get(row.id, 1.0) * ui.terms.weight(row.id)
+                score *= ui.info.get(row.id, 1.0) * specific.get(row.id, 1.0)
                 if row.id in ui.asks:
                     score *= QUESTION_WEIGHT
                 if own_reply(row.role, row.name):
@@ -901,13 +902,13 @@ class Recall:
                    context=near.get(msg.id))
 
 
-def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery) -> float:
+def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery, specific: dict[int, float]) -> float:
     """The factors of `_rank` that the index's own tables can tell for a message (its
     information and specificity, whether it only asks, its time against the question's window, its speaker
     against the people named), applied before the metadata cut: a turn inside the window,
     by the person asked about, ranked far down the whole history ("Which dish did Tom make
     in July 2022?" among a year of both people cooking) must not be cut before its boosts."""
-    f = ui.info.get(row_id, 1.0) * ui.terms.weight(row_id) * (QUESTION_WEIGHT if row_id in ui.asks else 1.0)
+    f = ui.info.get(row_id, 1.0) * specific.get(row_id, 1.0) * (QUESTION_WEIGHT if row_id in ui.asks else 1.0)
     t = ui.times.get(row_id)
     if pq.window is not None and t is not None:
         lo, hi = pq.window.since.timestamp(), pq.window.until.timestamp()
