@@ -145,3 +145,65 @@ def test_rms_norm_rounds_as_the_torch_path(lib, rows, dim):
     ref = w * F.rms_norm(x.float(), w.shape, eps=1e-5).to(torch.bfloat16)  # the engine's bf16 rule
     assert torch.equal(cpu_gemv.rms_norm(lib, x, w, 1e-5), ref)
     assert torch.equal(rms_norm(x, w, 1e-5), ref)  # what the layers call for decode rows
+
+
+def _causal_reference(q, k, v, q_pos):
+    """fp32 softmax over the keys at or before each row's position (GQA: heads share KV heads)."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,thd->nht", q.float(), kk) * q.shape[-1] ** -0.5
+    seen = torch.arange(k.shape[0])[None, None, :] <= q_pos[:, None, None]
+    return torch.einsum("nht,thd->nhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), vv)
+
+
+@pytest.mark.parametrize("keys,rows,heads,kv,hd,how", [
+    (37, 37, 9, 3, 64, "prefill"), (300, 100, 9, 3, 64, "chunk"), (130, 61, 8, 1, 128, "scattered"),
+    (17, 5, 4, 4, 32, "scattered"), (1, 1, 2, 1, 64, "prefill"), (515, 256, 6, 2, 64, "scattered")])
+def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, how):
+    """Prefill chunks (rows start..end-1) and CacheBlend's recomputed rows (any ascending
+    positions) over keys of any length (not a multiple of 16), with and without GQA."""
+    g = torch.Generator().manual_seed(keys * rows + hd)
+    q = torch.randn(rows, heads, hd, generator=g).bfloat16()
+    k = torch.randn(keys, kv, hd, generator=g).bfloat16()
+    v = torch.randn(keys, kv, hd, generator=g).bfloat16()
+    if how == "prefill":
+        pos = torch.arange(rows)
+    elif how == "chunk":
+        pos = torch.arange(keys - rows, keys)
+    else:
+        pos = torch.randperm(keys, generator=g)[:rows].sort().values
+    out = cpu_gemv.rows_attention(lib, q, k, v, pos)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    ref = _causal_reference(q, k, v, pos)
+    # fp32 scores and softmax; the weights go to bf16 for P V (as flash kernels do): ~1e-2
+    assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
+    assert (out.float() - ref).abs().mean() < 2e-3
+
+
+def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
+    """attend_chunk (prefill) and RowAttention (blend) take the kernel for bf16, and SDPA with
+    AGENTMEM_ATTN_KERNEL=off or in fp32; both agree."""
+    from agentmem.engine.model_runner import attend_chunk
+    from agentmem.kvreuse.fuser import RowAttention
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(48, 9, 64, generator=g).bfloat16()
+    k = torch.randn(200, 3, 64, generator=g).bfloat16()
+    v = torch.randn(200, 3, 64, generator=g).bfloat16()
+    calls = []
+    real = cpu_gemv.rows_attention
+    monkeypatch.setattr(cpu_gemv, "rows_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast = attend_chunk(q, k[:200], v[:200], 152)
+    rows = torch.tensor(sorted(torch.randperm(200, generator=g)[:48].tolist()))
+    blend = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    assert calls == [1, 1]
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
+    assert cpu_gemv.rows_kernel(q, k) is None
+    slow = attend_chunk(q, k[:200], v[:200], 152)
+    blend_slow = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    assert calls == [1, 1]
+    assert (fast.float() - slow.float()).abs().max() < 3e-2
+    assert (blend.float() - blend_slow.float()).abs().max() < 3e-2
+    assert cpu_gemv.rows_kernel(q.float(), k.float()) is None
+    with pytest.raises(ValueError, match="rows_attention"):
+        real(lib, q, k, v[:100], torch.arange(48))

@@ -27,6 +27,7 @@ from .layers import visible
 from .linear import resolve_weights
 from .loop import EngineLoop
 from .model import Transformer, load_transformer
+from .model_runner import attend_chunk
 from .sampler import SamplingParams
 from .sequence import Sequence
 from .threads import release_omp_pool
@@ -147,7 +148,9 @@ class DenseKV:
             self.k[i][start:end] = k_rot
             self.v[i][start:end] = v
             if start == 0 and (self.window is None or end <= self.window):
-                return sdpa(q, k_rot, v)  # the keys are exactly these tokens: plain causal attention
+                return attend_chunk(q, k_rot, v, 0)  # the keys are exactly these tokens: plain causal attention
+            if self.window is None:
+                return attend_chunk(q, self.k[i][:end], self.v[i][:end], start)
             return attend(q, self.k[i][:end], self.v[i][:end], pos[start:end], pos, self.window)
 
         return attn

@@ -24,6 +24,8 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     """Causal attention of a prompt chunk at positions start.. over keys 0..start+n-1 (only
     the last `window` of them, with a sliding window). q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
     n = q.shape[0]
+    if window is None and (lib := cpu_gemv.rows_kernel(q, k)) is not None:
+        return cpu_gemv.rows_attention(lib, q, k, v, torch.arange(start, start + n))
     if window is not None and start + n > window:
         pos = torch.arange(start + n, device=q.device)
         return sdpa(q, k, v, visible(pos[start:], pos, window))

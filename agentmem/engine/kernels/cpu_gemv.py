@@ -286,6 +286,135 @@ void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint
         free(s);
     }
 }
+
+/* Causal attention of query rows over a whole K/V (prefill chunks, CacheBlend's recomputed
+   rows): out[i, h] = softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G] * scale), times V.
+   q/out bf16 [Nq, H, hd], qpos int64 [Nq] ascending, k/v bf16 [T, KV, hd] at positions 0..T-1.
+   K is first packed per KV head as [T16/16, hd/2, 16, 2] (a key pair of dims for 16 keys in one
+   64-byte vector) and V as [T2, hd, 2] (two keys' values of each dim side by side), so both
+   products run on vdpbf16ps without horizontal sums: scores for 16 keys of 8 query rows per
+   pass over a K block, and P (bf16, the softmax numerators) times V two keys per instruction.
+   Each task is (KV head, query head of its group, 8 rows): its scores go to a per-thread
+   buffer (exact two-pass softmax in fp32), then its 8 outputs are summed over V. */
+#define ROWS 8
+void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint16_t *k, const uint16_t *v,
+                             uint16_t *out, int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale,
+                             int threads) {
+    if (Nq <= 0 || T <= 0) return;
+    const int64_t G = H / KV, np = hd / 2, T16 = (T + 15) / 16 * 16, T2 = T16 / 2;
+    uint32_t *kpk = (uint32_t *)aligned_alloc(64, (size_t)KV * T16 * np * 4);
+    uint32_t *vpk = (uint32_t *)aligned_alloc(64, (size_t)KV * T2 * hd * 4);
+    const uint16_t *ku = k, *vu = v;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < KV * (T16 / 16); blk++) {  /* pack K and V, zero past T */
+        const int64_t kvh = blk / (T16 / 16), b = blk % (T16 / 16);
+        uint32_t *kd = kpk + ((kvh * (T16 / 16) + b) * np) * 16;
+        for (int64_t p = 0; p < np; p++)
+            for (int64_t t = 0; t < 16; t++) {
+                const int64_t j = b * 16 + t;
+                kd[p * 16 + t] = j < T ? *(const uint32_t *)(ku + (j * KV + kvh) * hd + 2 * p) : 0u;
+            }
+        for (int64_t t2 = b * 8; t2 < b * 8 + 8; t2++) {
+            uint32_t *vd = vpk + (kvh * T2 + t2) * hd;
+            const int64_t j0 = 2 * t2, j1 = 2 * t2 + 1;
+            for (int64_t d = 0; d < hd; d++) {
+                const uint32_t lo = j0 < T ? vu[(j0 * KV + kvh) * hd + d] : 0u;
+                const uint32_t hi = j1 < T ? vu[(j1 * KV + kvh) * hd + d] : 0u;
+                vd[d] = lo | (hi << 16);
+            }
+        }
+    }
+    const int64_t nb = (Nq + ROWS - 1) / ROWS;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *sbuf = (float *)aligned_alloc(64, (size_t)ROWS * T16 * 4);
+        uint32_t *pbuf = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < KV * G * nb; task++) {
+            const int64_t rb = nb - 1 - task / (KV * G), kvh = (task % (KV * G)) / G, g = task % G;
+            const int64_t r0 = rb * ROWS, nr = Nq - r0 < ROWS ? Nq - r0 : ROWS, h = kvh * G + g;
+            int64_t lim[ROWS];  /* keys each row sees: 0..lim-1 */
+            const uint32_t *qr[ROWS];
+            for (int64_t r = 0; r < ROWS; r++) {
+                const int64_t i = r0 + (r < nr ? r : nr - 1);
+                lim[r] = qpos[i] + 1 < T ? qpos[i] + 1 : T;
+                qr[r] = (const uint32_t *)(q + (i * H + h) * hd);
+            }
+            const int64_t nk = (lim[nr - 1] + 15) / 16 * 16;  /* rows ascend: the last sees most */
+            const uint32_t *kh = kpk + kvh * (T16 / 16) * np * 16;
+            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int64_t t0 = 0; t0 < nk; t0 += 16) {  /* scores */
+                __m512 a[ROWS];
+                for (int r = 0; r < ROWS; r++) a[r] = _mm512_setzero_ps();
+                const uint32_t *kb = kh + (t0 / 16) * np * 16;
+                for (int64_t p = 0; p < np; p++) {
+                    const __m512bh kv = (__m512bh)_mm512_load_si512(kb + p * 16);
+                    for (int r = 0; r < ROWS; r++)
+                        a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)qr[r][p]), kv);
+                }
+                const __m512i jv = _mm512_add_epi32(lane, _mm512_set1_epi32((int)t0));
+                for (int r = 0; r < ROWS; r++) {
+                    __mmask16 vis = _mm512_cmplt_epi32_mask(jv, _mm512_set1_epi32((int)lim[r]));
+                    _mm512_store_ps(sbuf + r * T16 + t0,
+                                    _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, _mm512_mul_ps(a[r], _mm512_set1_ps(scale))));
+                }
+            }
+            float inv[ROWS];
+            for (int r = 0; r < nr; r++) {  /* softmax numerators as bf16 key pairs, and their sums */
+                float *sr = sbuf + r * T16;
+                const int64_t n16 = (lim[r] + 15) / 16 * 16;
+                __m512 mv = _mm512_set1_ps(-INFINITY);
+                for (int64_t t = 0; t < n16; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sr + t));
+                mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+                __m512 acc = _mm512_setzero_ps();
+                uint32_t *pr = pbuf + r * T2;
+                for (int64_t t = 0; t < n16; t += 16) {
+                    __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sr + t), mv));
+                    acc = _mm512_add_ps(acc, e);
+                    __m256i b16 = (__m256i)_mm512_cvtneps_pbh(e);  /* 16 bf16 = 8 key pairs */
+                    _mm256_storeu_si256((__m256i *)(pr + t / 2), b16);
+                }
+                inv[r] = 1.0f / _mm512_reduce_add_ps(acc);
+            }
+            const uint32_t *vh = vpk + kvh * T2 * hd;
+            for (int r = 0; r < nr; r++) {  /* P V: two keys per vdpbf16ps, 4 dims-blocks at a time */
+                const uint32_t *pr = pbuf + r * T2;
+                const int64_t n2 = (lim[r] + 15) / 16 * 8;
+                uint16_t *o = out + ((r0 + r) * H + h) * hd;
+                for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+                    const int64_t nd = hd - d0 < 64 ? (hd - d0) / 16 : 4;
+                    __m512 e0[4], e1[4];
+                    for (int d = 0; d < 4; d++) { e0[d] = _mm512_setzero_ps(); e1[d] = _mm512_setzero_ps(); }
+                    int64_t t2 = 0;
+                    for (; t2 + 2 <= n2; t2 += 2) {
+                        const __m512bh p0 = (__m512bh)_mm512_set1_epi32((int)pr[t2]);
+                        const __m512bh p1 = (__m512bh)_mm512_set1_epi32((int)pr[t2 + 1]);
+                        const uint32_t *v0 = vh + t2 * hd + d0, *v1 = v0 + hd;
+                        for (int d = 0; d < nd; d++) {
+                            e0[d] = _mm512_dpbf16_ps(e0[d], p0, (__m512bh)_mm512_loadu_si512(v0 + 16 * d));
+                            e1[d] = _mm512_dpbf16_ps(e1[d], p1, (__m512bh)_mm512_loadu_si512(v1 + 16 * d));
+                        }
+                    }
+                    for (; t2 < n2; t2++) {
+                        const __m512bh p0 = (__m512bh)_mm512_set1_epi32((int)pr[t2]);
+                        const uint32_t *v0 = vh + t2 * hd + d0;
+                        for (int d = 0; d < nd; d++)
+                            e0[d] = _mm512_dpbf16_ps(e0[d], p0, (__m512bh)_mm512_loadu_si512(v0 + 16 * d));
+                    }
+                    const __m512 iv = _mm512_set1_ps(inv[r]);
+                    for (int d = 0; d < nd; d++) {
+                        __m256i b16 = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_add_ps(e0[d], e1[d]), iv));
+                        _mm256_storeu_si256((__m256i *)(o + d0 + 16 * d), b16);
+                    }
+                }
+            }
+        }
+        free(sbuf);
+        free(pbuf);
+    }
+    free(kpk);
+    free(vpk);
+}
 """
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
@@ -294,6 +423,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_gemv": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
+    "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -443,6 +573,37 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
     lib.agentmem_decode_attn_bf16(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), idx.data_ptr(),
                                   keep.data_ptr(), out.data_ptr(), b, h, kv, hd, w,
                                   hd ** -0.5 if scale is None else scale, torch.get_num_threads())
+    return out
+
+
+def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
+    """The library where `rows_attention` takes such q [Nq, H, hd] and k [T, KV, hd] (bf16 on
+    the CPU, `attention_usable`), else None. AGENTMEM_ATTN_KERNEL=off keeps SDPA (A/B runs)."""
+    lib = _lib
+    if lib is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.dim() != 3 or k.dim() != 3:
+        return None
+    if os.environ.get("AGENTMEM_ATTN_KERNEL", "on") == "off":
+        return None
+    return lib if attention_usable(q.dtype, q.device, q.shape[1], k.shape[1], q.shape[2]) else None
+
+
+def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                   scale: float | None = None) -> torch.Tensor:
+    """Causal attention of query rows q [Nq, H, hd] at ascending positions `q_pos` [Nq] over
+    keys k/v [T, KV, hd] at positions 0..T-1 (a query sees the keys at or before its own
+    position): a prefill chunk (q_pos = start..start+n-1) or CacheBlend's recomputed rows.
+    bf16 in and out, fp32 scores and softmax (`attention_usable` must hold for the shapes).
+    What `sdpa` with a causal mask computes, on vdpbf16ps (kernels/cpu_gemv.py's C source)."""
+    nq, h, hd = q.shape
+    t, kv = k.shape[0], k.shape[1]
+    if v.shape != k.shape or k.shape[-1] != hd or q_pos.shape != (nq,):
+        raise ValueError(f"rows_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"q_pos {tuple(q_pos.shape)}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_pos = q_pos.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    lib.agentmem_rows_attn_bf16(q.data_ptr(), q_pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale, torch.get_num_threads())
     return out
 
 
