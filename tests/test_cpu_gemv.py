@@ -175,9 +175,11 @@ def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, h
     out = cpu_gemv.rows_attention(lib, q, k, v, pos)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     ref = _causal_reference(q, k, v, pos)
-    # fp32 scores and softmax; the weights go to bf16 for P V (as flash kernels do): ~1e-2
+    # fp32 scores and softmax, the weights as two bf16 each: the bf16 output's rounding is the error
     assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
-    assert (out.float() - ref).abs().mean() < 2e-3
+    from agentmem.engine.kernels.reference import sdpa
+    torch_bf16 = sdpa(q, k, v, torch.arange(keys)[None, :] <= pos[:, None]).float()
+    assert (out.float() - ref).abs().mean() <= 1.1 * (torch_bf16 - ref).abs().mean() + 1e-6  # no worse than SDPA
 
 
 def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
