@@ -83,3 +83,11 @@ def test_weights_of_many_equal_weight_of_each():
     for i in ids:
         assert got[i] == pytest.approx(stats.weight(i), abs=1e-12), i
     assert TermStats().weights([1, 2]) == {1: 1.0, 2: 1.0}
+
+
+def test_candidates_with_no_content_word_at_all_weigh_zero():
+    """A search whose candidates are all "haha"-like turns (no content word) must not fail."""
+    stats = _filled()
+    stats.add(4001, [])
+    assert stats.weights([1001, 4001]) == {1001: 0.0, 4001: 0.0}
+    assert stats.weights([4001, 1000])[1000] == pytest.approx(1.0)

@@ -72,19 +72,11 @@ class TermStats:
     def weight(self, message_id: int) -> float:
         """The prior of a message: (specificity / log N) ** EXPONENT; 1 for a message without
         statistics (not seen yet) or while the user has fewer than MIN_MESSAGES."""
-        n = len(self.terms)
-        ids = self.terms.get(message_id)
-        if ids is None or n < MIN_MESSAGES:
-            return 1.0
-        if not len(ids):
-            return 0.0
-        df = np.sort(np.maximum(self.df[ids], 1))[:2]
-        spec = float(np.log(n / df).sum()) / 2
-        return max(0.0, min(1.0, spec / math.log(n))) ** EXPONENT
+        return self.weights([message_id])[message_id]
 
     def weights(self, message_ids: list[int]) -> dict[int, float]:
-        """`weight` of many messages at once (a search's candidates), vectorised: one
-        gather of their words' frequencies, one sort."""
+        """`weight` of many messages at once (a search's candidates), vectorised: one gather of
+        their words' frequencies, one sort; a message with no content word weighs 0."""
         n = len(self.terms)
         if n < MIN_MESSAGES or not message_ids:
             return dict.fromkeys(message_ids, 1.0)
@@ -99,7 +91,7 @@ class TermStats:
         order = np.lexsort((df, seg))  # by message, rarest word first
         df = df[order]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        idf = np.log(n / df)
+        idf = np.append(np.log(n / df), 0.0)  # a trailing 0 that indexes past a message's words read
         first = np.where(lengths > 0, idf[np.minimum(starts, len(idf) - 1)], 0.0)
         second = np.where(lengths > 1, idf[np.minimum(starts + 1, len(idf) - 1)], 0.0)
         w = np.clip((first + second) / 2 / math.log(n), 0.0, 1.0) ** EXPONENT
