@@ -80,6 +80,7 @@ DEPTH = 100  # candidates taken from each retriever
 META_CANDIDATES = 100  # message candidates, best fused first, whose metadata the ranking reads
 WINDOW_BOOST = 1.6  # a turn inside the question's time window
 NEAR_WINDOW_BOOST = 1.2  # within a week of it
+NEAR_WINDOW_S = 7 * 86400.0
 SPEAKER_BOOST = 1.6  # a turn by a person the question names (real questions name whom they ask about)
 MENTION_BOOST = 1.1  # a turn that names them
 WHEN_BOOST = 1.15  # a "when" question, and a turn that dates something
@@ -837,16 +838,11 @@ class Recall:
             if isinstance(row, Memory):
                 score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
             else:
-                score *= ui.info.get(row.id, 1.0) * specific.get(row.id, 1.0)
-                if row.id in ui.asks:
-                    score *= QUESTION_WEIGHT
+                score *= _text_prior(ui, row.id, specific)
                 if own_reply(row.role, row.name):
                     score *= ASSISTANT_WEIGHT * (LOOPED_WEIGHT if row.id in looped else 1.0)
             if pq.window is not None:
-                if pq.window.contains(when):
-                    score *= WINDOW_BOOST
-                elif pq.window.since - timedelta(days=7) <= when < pq.window.until + timedelta(days=7):
-                    score *= NEAR_WINDOW_BOOST
+                score *= _window_factor(pq.window, when.timestamp())
             if mention and isinstance(row, MessageMeta) and row.name and row.name.lower() in mention:
                 score *= SPEAKER_BOOST
             elif mention and isinstance(row, Memory) and any(p in row.text.lower() for p in mention):
@@ -908,14 +904,28 @@ def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery, specific: dict[int, floa
     against the people named), applied before the metadata cut: a turn inside the window,
     by the person asked about, ranked far down the whole history ("Which dish did Tom make
     in July 2022?" among a year of both people cooking) must not be cut before its boosts."""
-    f = ui.info.get(row_id, 1.0) * specific.get(row_id, 1.0) * (QUESTION_WEIGHT if row_id in ui.asks else 1.0)
+    f = _text_prior(ui, row_id, specific)
     t = ui.times.get(row_id)
     if pq.window is not None and t is not None:
-        lo, hi = pq.window.since.timestamp(), pq.window.until.timestamp()
-        f *= WINDOW_BOOST if lo <= t < hi else NEAR_WINDOW_BOOST if lo - 7 * 86400 <= t < hi + 7 * 86400 else 1.0
+        f *= _window_factor(pq.window, t)
     if pq.people and row_id in ui.who:
         f *= SPEAKER_BOOST if any(ui.codes.get(p) == ui.who[row_id] for p in pq.people) else 1.0
     return f
+
+
+def _text_prior(ui: UserIndex, row_id: int, specific: dict[int, float]) -> float:
+    """What a message's text says of it as evidence: its information, its specificity (`specific`,
+    TermStats.weights), and QUESTION_WEIGHT if it only asks."""
+    return ui.info.get(row_id, 1.0) * specific.get(row_id, 1.0) * (QUESTION_WEIGHT if row_id in ui.asks else 1.0)
+
+
+def _window_factor(window, t: float) -> float:
+    """The boost of a turn or fact at time `t` (unix seconds) for the question's time window:
+    WINDOW_BOOST inside, NEAR_WINDOW_BOOST within a week of it, else 1."""
+    lo, hi = window.since.timestamp(), window.until.timestamp()
+    if lo <= t < hi:
+        return WINDOW_BOOST
+    return NEAR_WINDOW_BOOST if lo - NEAR_WINDOW_S <= t < hi + NEAR_WINDOW_S else 1.0
 
 
 def _fused_score(c: _Cand) -> float:
