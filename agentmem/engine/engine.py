@@ -142,16 +142,13 @@ class DenseKV:
 
     def backend(self, start: int, n: int):
         end = start + n
-        pos = torch.arange(end, device=self.k[0].device)
 
         def attn(i, q, k_raw, k_rot, v):
             self.k[i][start:end] = k_rot
             self.v[i][start:end] = v
-            if start == 0 and (self.window is None or end <= self.window):
-                return attend_chunk(q, k_rot, v, 0)  # the keys are exactly these tokens: plain causal attention
-            if self.window is None:
-                return attend_chunk(q, self.k[i][:end], self.v[i][:end], start)
-            return attend(q, self.k[i][:end], self.v[i][:end], pos[start:end], pos, self.window)
+            # from position 0 the keys are exactly these tokens; attend_chunk takes the window
+            keys, values = (k_rot, v) if start == 0 else (self.k[i][:end], self.v[i][:end])
+            return attend_chunk(q, keys, values, start, self.window)
 
         return attn
 

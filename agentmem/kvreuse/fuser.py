@@ -152,22 +152,25 @@ class RowAttention:
     skipped per block of 8 rows; on the blend benchmark's shapes ~3x faster than SDPA."""
 
     def __init__(self, q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, blocks: int = 4,
-                 window: int | None = None, kernel: bool = True):
+                 window: int | None = None):
         self.q_pos = q_pos
         self.blocks = blocks
         self.k_pos = torch.arange(n_keys, device=q_pos.device)
         self.window = window
         self.parts: list[tuple[int, int, int, torch.Tensor]] = []
         # cpu_gemv.rows_attention, where it takes the rows' tensors (bf16 on an AVX512-BF16 CPU)
-        self.kernel = kernel and dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
-        if q_pos.is_cuda or self.kernel:
-            return
-        n = len(q_pos)
-        blocks = max(1, min(blocks, n // 32))
+        self.kernel = dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
+        if not (q_pos.is_cuda or self.kernel):
+            self._plan(group, dtype)
+
+    def _plan(self, group: int, dtype: torch.dtype) -> None:
+        """The CPU row blocks and their masks (the grouped SDPA path)."""
+        n = len(self.q_pos)
+        blocks = max(1, min(self.blocks, n // 32))
         cuts = [round(n * i / blocks) for i in range(blocks + 1)]
         for s, e in zip(cuts, cuts[1:], strict=False):
-            end = int(q_pos[e - 1]) + 1
-            _, bias = causal_bias(q_pos[s:e], end, group, dtype, first=0, window=window)
+            end = int(self.q_pos[e - 1]) + 1
+            _, bias = causal_bias(self.q_pos[s:e], end, group, dtype, first=0, window=self.window)
             self.parts.append((s, e, end, bias[None, None]))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -175,9 +178,8 @@ class RowAttention:
         if self.kernel and (lib := cpu_gemv.rows_kernel(q, k)) is not None:
             return cpu_gemv.rows_attention(lib, q, k, v, self.q_pos)
         if self.kernel:  # the kernel does not take these tensors after all: the grouped SDPA path
-            self.__init__(self.q_pos, len(self.k_pos), q.shape[1] // k.shape[1], q.dtype, self.blocks, self.window,
-                          kernel=False)
-            return self(q, k, v)
+            self.kernel = False
+            self._plan(q.shape[1] // k.shape[1], q.dtype)
         if not self.parts:
             if self.window is not None:
                 return sdpa(q, k, v, visible(self.q_pos, self.k_pos, self.window))
