@@ -401,7 +401,11 @@ def test_bench_replicas_accounts_where_the_cpu_went():
     from agentmem.api.bench_replicas import allowed_cpus, cpu_seconds, machine_seconds, merge
 
     t = cpu_seconds(os.getpid())
-    sum(i * i for i in range(300_000))
+    # /proc counts in clock ticks (10 ms): on a fast CPU one loop can end inside the same tick,
+    # so burn CPU until the reading moves (bounded: a reading that never moves still fails)
+    deadline = time.monotonic() + 5
+    while cpu_seconds(os.getpid()) <= t and time.monotonic() < deadline:
+        sum(i * i for i in range(300_000))
     assert cpu_seconds(os.getpid()) > t > 0
     busy, stolen = machine_seconds()
     assert busy > 0 and stolen >= 0 and allowed_cpus(os.getpid()) != "?"
