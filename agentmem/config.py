@@ -38,6 +38,9 @@ class Config(BaseSettings):
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # the projections' weight format: auto (the fastest measured here, engine/linear.py) | bf16 | fp32 | int8 | int4
     weights: str = "auto"
+    # how bf16 products of many rows (prefill) multiply on the CPU: auto (the faster measured
+    # here, engine/linear.py resolve_rows_math) | bf16 (oneDNN) | fp32 (widened for MKL's sgemm)
+    rows_math: str = "auto"
     # the compiled decode step (engine/compiled.py): auto (on for the CPU) | on | off; compiles
     # run in the background and one that takes longer than compile_timeout_s leaves decode eager
     compile: str = "auto"

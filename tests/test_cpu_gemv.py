@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -183,8 +185,9 @@ def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, h
 
 
 def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
-    """attend_chunk (prefill) and RowAttention (blend) take the kernel for bf16, and SDPA with
-    AGENTMEM_ATTN_KERNEL=off or in fp32; both agree."""
+    """attend_chunk (prefill) and RowAttention (blend) take the kernel for bf16 where it is the
+    route (AGENTMEM_ATTN_KERNEL=on here), SDPA with AGENTMEM_ATTN_KERNEL=off or in fp32, and fp32
+    SDPA on widened rows with the route fp32; all agree."""
     from agentmem.engine.model_runner import attend_chunk
     from agentmem.kvreuse.fuser import RowAttention
 
@@ -195,6 +198,7 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     calls = []
     real = cpu_gemv.rows_attention
     monkeypatch.setattr(cpu_gemv, "rows_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "on")
     fast = attend_chunk(q, k[:200], v[:200], 152)
     rows = torch.tensor(sorted(torch.randperm(200, generator=g)[:48].tolist()))
     blend = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
@@ -207,5 +211,34 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     assert (fast.float() - slow.float()).abs().max() < 3e-2
     assert (blend.float() - blend_slow.float()).abs().max() < 3e-2
     assert cpu_gemv.rows_kernel(q.float(), k.float()) is None
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "fp32")
+    assert cpu_gemv.rows_kernel(q, k) is None and cpu_gemv.widen_rows(q, k)
+    assert not cpu_gemv.widen_rows(q.float(), k.float())
+    wide = attend_chunk(q, k[:200], v[:200], 152)
+    blend_wide = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    assert calls == [1, 1] and wide.dtype == blend_wide.dtype == torch.bfloat16
+    assert (fast.float() - wide.float()).abs().max() < 3e-2
+    assert (blend.float() - blend_wide.float()).abs().max() < 3e-2
     with pytest.raises(ValueError, match="rows_attention"):
         real(lib, q, k, v[:100], torch.arange(48))
+
+
+def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
+    """choose_rows_route times the kernel against widened fp32 SDPA, keeps the faster for those
+    shapes (AGENTMEM_ATTN_KERNEL=auto), and a second call reads the memo instead of timing."""
+    monkeypatch.setattr(cpu_gemv, "_ROUTES", {})
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "auto")
+    assert cpu_gemv.rows_route(4, 2, 32) == "kernel"  # not measured yet: the kernel
+    route = cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32)
+    saved = json.loads((tmp_path / "attention-choice.json").read_text())
+    (entry,) = saved.values()
+    assert route in ("kernel", "fp32") and entry["route"] == route
+    assert route == min(entry["ms"], key=entry["ms"].get)
+    assert cpu_gemv.rows_route(4, 2, 32) == route
+    other = "fp32" if route == "kernel" else "kernel"
+    entry["route"] = other  # a remembered choice is used as it is
+    (tmp_path / "attention-choice.json").write_text(json.dumps(saved))
+    assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32) == other == cpu_gemv.rows_route(4, 2, 32)
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
+    assert cpu_gemv.rows_route(4, 2, 32) == "bf16"
+    assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it

@@ -14,7 +14,15 @@ from test_models import build_tokenizer, hf_config, randomize
 
 from agentmem.config import Config
 from agentmem.engine import Engine, EngineLoop
-from agentmem.engine.linear import PREFILL_SLACK, Proj, dense, fastest, resolve_weights
+from agentmem.engine.linear import (
+    PREFILL_SLACK,
+    ROWS_MATH_GAIN,
+    Proj,
+    dense,
+    fastest,
+    resolve_rows_math,
+    resolve_weights,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +104,50 @@ def test_the_auto_choice_is_measured_once_and_remembered(tmp_path):
     entry["weights"] = "int8" if choice == "fp32" else "fp32"  # a remembered choice is not re-measured
     (tmp_path / "weights-choice.json").write_text(json.dumps(memo))
     assert fastest("fp32", (256, 64), tmp_path) == entry["weights"]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_many_bf16_rows_multiply_widened_to_fp32_alike(fmt):
+    """rows_math fp32 (widened for sgemm) gives the bf16 product of many rows within bf16's
+    rounding, in bf16; few rows (the decode kernels) are not touched by it."""
+    g = torch.Generator().manual_seed(1)
+    w, b = (0.05 * torch.randn(192, 128, generator=g)).bfloat16(), torch.randn(192, generator=g).bfloat16()
+    p = Proj(w, b, fmt)
+    for rows in (3, 64, 600):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        p.rows_math, p._prefill_w = "bf16", None
+        narrow = p(x)
+        p.rows_math, p._prefill_w = "fp32", None
+        wide = p(x)
+        assert wide.dtype == torch.bfloat16 and wide.shape == (rows, 192)
+        ref = x.float() @ dense(p).float().t() + b.float()
+        assert (wide.float() - ref).norm() / ref.norm() < 5e-3
+        assert (wide.float() - narrow.float()).norm() / ref.norm() < 1e-2
+        if rows == 3 and p.w_gemv is not None:
+            assert torch.equal(wide, narrow)  # the decode kernel either way
+
+
+def test_the_rows_math_setting_is_checked_and_measured_once(tmp_path, tiny_path):
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    shape = (256, 64)
+    assert resolve_rows_math("fp32", bf16, cpu, shape, tmp_path) == "fp32"
+    assert resolve_rows_math("auto", torch.float32, cpu, shape, tmp_path) == "bf16"  # nothing to widen
+    with pytest.raises(ValueError, match="rows_math must be"):
+        resolve_rows_math("fp16", bf16, cpu, shape, tmp_path)
+    assert not (tmp_path / "weights-choice.json").exists()  # explicit choices time nothing
+    choice = resolve_rows_math("auto", bf16, cpu, shape, tmp_path)
+    (entry,) = json.loads((tmp_path / "weights-choice.json").read_text()).values()
+    times = entry["rows_512_us"]
+    assert entry["rows_math"] == choice and (choice == "fp32") == (times["fp32"] * ROWS_MATH_GAIN < times["bf16"])
+    e = load(tiny_path, dtype="bfloat16", weights="bf16", rows_math="fp32")
+    assert e.model.rows_math == "fp32" and {p.rows_math for p in e.model.projections()} == {"fp32"}
+    x = ids(120)
+    wide = e.logits(x)
+    e.model.set_rows_math("bf16")
+    assert {p.rows_math for p in e.model.projections()} == {"bf16"}
+    narrow = e.logits(x)
+    assert float(torch.corrcoef(torch.stack([wide.flatten(), narrow.flatten()]))[0, 1]) > 0.999
+    assert float((wide.argmax(-1) == narrow.argmax(-1)).float().mean()) > 0.95
 
 
 def drive(e: Engine, loop: EngineLoop, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -24,7 +24,7 @@ from .grammar import GrammarCompiler
 from .kernels import cpu_gemv
 from .kernels.reference import sdpa
 from .layers import visible
-from .linear import resolve_weights
+from .linear import resolve_rows_math, resolve_weights
 from .loop import EngineLoop
 from .model import Transformer, load_transformer
 from .model_runner import attend_chunk
@@ -228,6 +228,10 @@ class Engine(ChatText):
                                   config.cache_dir)
         if weights != model.weights:
             model.pack(weights)
+        model.set_rows_math(resolve_rows_math(config.rows_math, dtype, device, (2 * a.hidden_dim, a.dim),
+                                              config.cache_dir))
+        if device.type == "cpu" and dtype == torch.bfloat16 and a.sliding_window is None:
+            cpu_gemv.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
         engine = cls(model, load_tokenizer(path), model_id, device, config, path)
         if config.kv_mode != "full":

@@ -84,6 +84,11 @@ class Proj:
         self.w_t: torch.Tensor | None = None
         self.packed = None
         self._key: torch.Tensor | None = None
+        # how a bf16 product of many rows multiplies on the CPU ("bf16": oneDNN; "fp32": the
+        # activations and weight widened to fp32 for MKL's sgemm, the faster where oneDNN has
+        # no native bf16 GEMM; see `rows_math`). Set for the whole model by Engine.load.
+        self.rows_math = "bf16"
+        self.w_plain: torch.Tensor | None = None  # the bf16 weight itself, for rows_math fp32
         cpu = w.device.type == "cpu"
         if self.fmt in ("int8", "int4") and not cpu:
             raise ValueError(f"weights {self.fmt!r} run on the CPU only; on {w.device.type} use bf16 or fp32")
@@ -96,6 +101,7 @@ class Proj:
         elif self.fmt == "int4":
             self.packed, self.scales_zeros = _int4_pack(w)
         elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
+            self.w_plain = w  # the model keeps its dense weights: no copy
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
             if cpu_gemv.loaded() is not None and cpu_gemv.usable(w):  # few rows: the GEMV kernel
                 self.w_gemv = cpu_gemv.pack(w)
@@ -131,7 +137,10 @@ class Proj:
                 # format, not a memory one: int8 for decode, bf16 for prefill.
                 if self._prefill_w is None:
                     w = (self.packed.float() * self.scale[:, None]).to(torch.bfloat16)
-                    self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if onednn_bf16() else w
+                    pack = onednn_bf16() and self.rows_math == "bf16"
+                    self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w
+                if self.rows_math == "fp32":
+                    return _widened(x, self._prefill_w, self.bias)
                 if onednn_bf16():
                     return _onednn(x, self._prefill_w, self.bias)
                 return F.linear(x, self._prefill_w, self.bias)
@@ -144,6 +153,8 @@ class Proj:
         if self.packed is not None:
             if self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and (lib := cpu_gemv.loaded()):
                 return cpu_gemv.gemv(lib, self.w_gemv, x, self.bias)
+            if self.rows_math == "fp32" and self.w_plain is not None:
+                return _widened(x, self.w_plain, self.bias)
             return _onednn(x, self.packed, self.bias)
         if self.w_t is not None and x.shape[0] <= self.max_rows:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
@@ -153,6 +164,14 @@ class Proj:
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T (+ bias) for a weight oneDNN packed (`_reorder_linear_weight`)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _widened(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) for bf16 x and w, multiplied in fp32 (MKL's sgemm) and rounded to bf16:
+    the same fp32 sums as a native bf16 GEMM, in another order. Widening the weight at each call
+    costs ~3% of a 512-row product (0.09 ms for 576 x 1536), so no fp32 copy is kept."""
+    out = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    return out.to(torch.bfloat16)
 
 
 _REGISTRY: dict[int, weakref.ref[Proj]] = {}
@@ -256,15 +275,60 @@ PREFILL_SLACK = 1.15  # int8 may prefill this much slower than the engine dtype,
 RULE = f"cold decode, {PREFILL_ROWS} rows within {PREFILL_SLACK}x"  # the choice's rule, kept with it
 
 
+ROWS_MATH = ("bf16", "fp32")
+ROWS_MATH_GAIN = 1.10  # fp32 must run the 512-row product this much faster to be taken
+
+
+def resolve_rows_math(name: str, dtype: torch.dtype, device: torch.device, shape: tuple[int, int],
+                      cache_dir: Path) -> str:
+    """How bf16 products of many rows (prefill, a blend's recomputed rows) multiply here, for
+    `AGENTMEM_ROWS_MATH=name`: bf16 (oneDNN) or fp32 (widened for MKL's sgemm). `auto` times a
+    512-row product of `shape` both ways, once per machine (remembered beside the weight
+    choice), and takes fp32 where it is >= ROWS_MATH_GAIN faster. AVX512-BF16 alone does not
+    make oneDNN's bf16 GEMM fast: on a 2-core Xeon VM with avx512_bf16 but no AMX it ran at
+    166 GFLOP/s against sgemm's 314 (a prefill 470 against 776 tok/s), while on the AMD EPYC
+    VMs (Zen 4/5) bf16 ran 1.3-2.5x faster than fp32. Only the product changes: norms,
+    attention and the KV cache stay bf16, and the sums are fp32 either way."""
+    if name not in ("auto", *ROWS_MATH):
+        raise ValueError(f"rows_math must be auto or one of {', '.join(ROWS_MATH)}, got {name!r}")
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "bf16" if name == "auto" else name
+    if name != "auto":
+        return name
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    key = f"rows-math|{torch.__version__}|{shape}|{torch.get_num_threads()} threads|{' '.join(flags)}"
+    memo = Path(cache_dir).expanduser() / "weights-choice.json"
+    try:
+        saved = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if key in saved:
+        return saved[key]["rows_math"]
+    times = {}
+    for math in ROWS_MATH:
+        p = Proj(torch.randn(shape).to(torch.bfloat16), fmt="bf16")
+        p.rows_math = math
+        times[math] = min(rows_seconds(p, shape, PREFILL_ROWS) for _ in range(2))
+    choice = "fp32" if times["fp32"] * ROWS_MATH_GAIN < times["bf16"] else "bf16"
+    saved[key] = {"rows_math": choice, f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in times.items()}}
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps(saved, indent=1))
+    except OSError:
+        pass
+    return choice
+
+
 def _timing_dtype(fmt: str) -> torch.dtype:
     """The activations' dtype a format is timed with: its own for dense, the engine's otherwise."""
     return torch.bfloat16 if fmt == "bf16" or (fmt != "fp32" and onednn_bf16()) else torch.float32
 
 
-def rows_seconds(fmt: str, shape: tuple[int, int], rows: int, repeats: int = 3) -> float:
-    """Best-of-`repeats` seconds (process CPU time) of one `rows`-row product in format `fmt`."""
-    dtype = _timing_dtype(fmt)
-    p = Proj(torch.randn(shape).to(dtype), fmt=fmt)
+def rows_seconds(fmt: str | Proj, shape: tuple[int, int], rows: int, repeats: int = 3) -> float:
+    """Best-of-`repeats` seconds (process CPU time) of one `rows`-row product in format `fmt`
+    (or of the projection given)."""
+    p = fmt if isinstance(fmt, Proj) else Proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
+    dtype = torch.bfloat16 if p.fmt == "bf16" or (p.fmt != "fp32" and onednn_bf16()) else torch.float32
     x = torch.randn(rows, shape[1]).to(dtype)
     p(x)
     best = float("inf")

@@ -162,6 +162,22 @@ class Transformer(nn.Module):
         self.head_p = Proj(self.lm_head.weight, None, fmt, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
 
+    def projections(self) -> list[Proj]:
+        out = [p for layer in self.layers for p in (layer.qkv_p, layer.o_p, layer.gate_up_p, layer.down_p)]
+        return out + [self.head_p]
+
+    @property
+    def rows_math(self) -> str:
+        return self.head_p.rows_math if self.head_p is not None else "bf16"
+
+    def set_rows_math(self, math: str) -> None:
+        """How every projection multiplies many bf16 rows (linear.resolve_rows_math)."""
+        if self.head_p is None:
+            return
+        for p in self.projections():
+            if p.rows_math != math:
+                p.rows_math, p._prefill_w = math, None  # an int8 weight's bf16 copy is packed per math
+
     def forward(
         self,
         ids: torch.Tensor,

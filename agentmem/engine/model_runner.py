@@ -26,6 +26,8 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     n = q.shape[0]
     if window is None and (lib := cpu_gemv.rows_kernel(q, k)) is not None:
         return cpu_gemv.rows_attention(lib, q, k, v, torch.arange(start, start + n))
+    if cpu_gemv.widen_rows(q, k):  # this machine runs fp32 SDPA faster than its bf16 ways
+        return attend_chunk(q.float(), k.float(), v.float(), start, window).to(q.dtype)
     if window is not None and start + n > window:
         pos = torch.arange(start + n, device=q.device)
         return sdpa(q, k, v, visible(pos[start:], pos, window))

@@ -160,6 +160,7 @@ class RowAttention:
         self.parts: list[tuple[int, int, int, torch.Tensor]] = []
         # cpu_gemv.rows_attention, where it takes the rows' tensors (bf16 on an AVX512-BF16 CPU)
         self.kernel = dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
+        self.widen = False
         if not (q_pos.is_cuda or self.kernel):
             self._plan(group, dtype)
 
@@ -179,7 +180,10 @@ class RowAttention:
             return cpu_gemv.rows_attention(lib, q, k, v, self.q_pos)
         if self.kernel:  # the kernel does not take these tensors after all: the grouped SDPA path
             self.kernel = False
-            self._plan(q.shape[1] // k.shape[1], q.dtype)
+            self.widen = cpu_gemv.widen_rows(q, k)  # in fp32 where this machine runs that faster
+            self._plan(q.shape[1] // k.shape[1], torch.float32 if self.widen else q.dtype)
+        if self.widen and q.dtype != torch.float32:
+            return self(q.float(), k.float(), v.float()).to(q.dtype)
         if not self.parts:
             if self.window is not None:
                 return sdpa(q, k, v, visible(self.q_pos, self.k_pos, self.window))
