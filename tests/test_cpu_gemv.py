@@ -121,6 +121,61 @@ def test_int8_gemv_matches_the_dequantized_product(lib, rows, out, inp):
         cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x.float())
 
 
+needs_vnni = pytest.mark.skipif(not cpu_gemv.vnni(), reason="needs AVX512-VNNI")
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (5, 64, 34), (8, 576, 1536), (11, 32, 64), (2, 32, 4100)])
+def test_int8_gemv_on_int16_rows_stays_within_their_quantization(lib, rows, out, inp):
+    """The VNNI route quantizes each input row to int16 (14 bits of its largest value): within
+    that rounding of the exact product, and the int32 sums do not overflow past one chunk (4,100
+    inputs of the largest values against the largest weights)."""
+    g = torch.Generator().manual_seed(rows + out)
+    w = torch.randn(out, inp, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    x[0, 3] = 40.0  # an outlier channel, as real activations have
+    b = torch.randn(out, generator=g)
+    deq = q.float() * scale[:, None]
+    ref = x.float() @ deq.t() + b
+    y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x, b, torch.float32, i16=True)
+    step = x.float().abs().amax(1, keepdim=True) / 8191  # per row: the rounding of each input
+    bound = 0.5 * step * deq.abs().sum(1)[None, :]  # the worst case of that rounding
+    assert ((y - ref).abs() <= bound + 1e-4 * ref.abs().max()).all()
+    if inp == 4100:  # every product at its largest: 127 * 8191 * 4100 overflows int32 in one sum
+        big = torch.full((1, inp), 3.0).bfloat16()
+        ones = torch.full((out, inp), 127, dtype=torch.int8)
+        y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(ones), torch.ones(out), big, None, torch.float32, i16=True)
+        assert torch.allclose(y, torch.full_like(y, 3.0 * 127 * inp), rtol=1e-4)
+
+
+@needs_vnni
+def test_the_int8_route_is_measured_once_and_can_be_set(lib, tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "q8_route", "bf16")
+    monkeypatch.setenv("AGENTMEM_GEMV_Q8", "i16")
+    assert cpu_gemv.choose_q8(tmp_path) == "i16" == cpu_gemv.q8_route
+    assert not (tmp_path / "gemv-choice.json").exists()  # set, not measured
+    monkeypatch.setenv("AGENTMEM_GEMV_Q8", "int4")
+    with pytest.raises(ValueError, match="AGENTMEM_GEMV_Q8"):
+        cpu_gemv.choose_q8(tmp_path)
+    monkeypatch.setenv("AGENTMEM_GEMV_Q8", "auto")
+    route = cpu_gemv.choose_q8(tmp_path)
+    saved = json.loads((tmp_path / "gemv-choice.json").read_text())
+    (entry,) = saved.values()
+    assert route == entry["route"] == min(entry["us"], key=entry["us"].get) == cpu_gemv.q8_route
+    entry["route"] = "bf16" if route == "i16" else "i16"
+    (tmp_path / "gemv-choice.json").write_text(json.dumps(saved))
+    assert cpu_gemv.choose_q8(tmp_path) == entry["route"]  # remembered, not timed again
+    p = Proj(torch.randn(64, 96).bfloat16(), fmt="int8")
+    x = torch.randn(3, 96).bfloat16()
+    routes = {}
+    for r in cpu_gemv.Q8_ROUTES:
+        monkeypatch.setattr(cpu_gemv, "q8_route", r)
+        routes[r] = p(x).float()
+    assert (routes["bf16"] - routes["i16"]).abs().max() < 0.02 * routes["bf16"].abs().max()
+
+
 def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     w = torch.randn(256, 128).bfloat16()
     p = Proj(w, fmt="int8")

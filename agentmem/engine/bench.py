@@ -19,8 +19,9 @@ interleaved, so both see the same load on a shared machine):
 - max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens;
   `perplexity` of fp32, the bench dtype and int8 weights on those tokens, and int8's max
   logit error against our fp32.
-- the machine: matmul rate (fp32, bf16, and the bench dtype in the weight format used) and
-  memory copy bandwidth, to say how far each figure is from what the hardware allows; the
+- the machine: matmul rate (fp32, bf16, and the engine's own projection: the bench dtype in
+  the weight format used, many rows multiplied as `rows_math` says, linear.resolve_rows_math)
+  and memory copy bandwidth, to say how far each figure is from what the hardware allows; the
   bandwidth bound counts the bytes of the weight format used.
 
 The peer runs in the same dtype, on the same threads, under `torch.inference_mode()`.
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from .engine import Engine, Segment
+from .kernels import cpu_gemv
 from .linear import INT4_GROUP, Proj, cpu_flags, onednn_bf16
 from .loop import EngineLoop
 from .model import ModelArgs
@@ -105,13 +107,16 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_gflops(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0, fmt: str | None = None) -> float:
+def matmul_gflops(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0, fmt: str | None = None,
+                  rows_math: str = "bf16") -> float:
     """Best rate of the engine's projection (linear.Proj, in weight format `fmt`, default
-    dense in `dtype`) on the model's largest projection shape (tokens x 576 -> 1536)."""
+    dense in `dtype`, many bf16 rows multiplied as `rows_math` says) on the model's largest
+    projection shape (tokens x 576 -> 1536)."""
     fast = dtype == torch.float32 or device.type == "cuda" or onednn_bf16()
     m = 1024 if fast else 256  # emulated bf16 is slow
     x = torch.randn(m, 576, device=device).to(dtype)
     p = Proj(torch.randn(1536, 576, device=device).to(dtype), fmt=fmt)
+    p.rows_math = rows_math
     p(x)
     best, spent = float("inf"), 0.0
     while spent < budget_s:
@@ -129,11 +134,14 @@ def copy_gb_s(device: torch.device, n_bytes: int = 256 << 20, repeats: int = 5) 
     return 2 * n_bytes / best / 1e9
 
 
-def machine_figures(dtype: torch.dtype, device: torch.device, fmt: str) -> tuple[float, float, float, float]:
-    """(fp32 GFLOP/s, bf16 GFLOP/s, GFLOP/s in `dtype` and weight format `fmt`, copy GB/s)."""
+def machine_figures(dtype: torch.dtype, device: torch.device, fmt: str,
+                    rows_math: str = "bf16") -> tuple[float, float, float, float]:
+    """(fp32 GFLOP/s, bf16 GFLOP/s, GFLOP/s of the engine's projection in `dtype`, weight format
+    `fmt` and `rows_math`, copy GB/s)."""
     fp32, bf16 = matmul_gflops(torch.float32, device), matmul_gflops(torch.bfloat16, device)
-    dense = fmt == {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
-    own = {torch.float32: fp32, torch.bfloat16: bf16}[dtype] if dense else matmul_gflops(dtype, device, fmt=fmt)
+    dense = fmt == {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype) and rows_math == "bf16"
+    own = {torch.float32: fp32, torch.bfloat16: bf16}[dtype] if dense else matmul_gflops(dtype, device, fmt=fmt,
+                                                                                          rows_math=rows_math)
     return fp32, bf16, own, copy_gb_s(device)
 
 
@@ -334,7 +342,8 @@ def main(argv: list[str]) -> int:
     default = compiled if on else loop
 
     log("machine ...")
-    machine = machine_figures(dtype, device, weights)  # measured before and after the runs; the best is kept
+    rows_math = engine.model.rows_math
+    machine = machine_figures(dtype, device, weights, rows_math)  # measured before and after the runs; the best is kept
 
     log(f"prefill {args.prompt_tokens} tokens ...")
     ours_pf, hf_pf = [], []
@@ -380,7 +389,7 @@ def main(argv: list[str]) -> int:
 
     log("machine, again ...")
     fp32_peak, bf16_peak, peak, mem = (max(a, b) for a, b in
-                                       zip(machine, machine_figures(dtype, device, weights), strict=True))
+                                       zip(machine, machine_figures(dtype, device, weights, rows_math), strict=True))
     prefill = args.prompt_tokens / min(ours_pf)
     eager = max(ours_dec)
     # compile=auto keeps, per bucket, the faster of the two paths as timed at run time
@@ -394,6 +403,9 @@ def main(argv: list[str]) -> int:
         "decode_tok_s": round(decode, 2),
         "hf_decode_tok_s": round(hf_decode, 2),
         "weights": weights,
+        "rows_math": rows_math,
+        "rows_attention": cpu_gemv.rows_route(margs.n_heads, margs.n_kv_heads, margs.head_dim)
+        if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa",
         "compiled": on,
         "decode_tok_s_eager": round(eager, 2),
         "decode_tok_s_compiled": round(max(ours_comp), 2) if on else None,

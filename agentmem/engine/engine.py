@@ -222,6 +222,7 @@ class Engine(ChatText):
         path = resolve_model_dir(config.model_path, config.cache_dir)
         if device.type == "cpu" and dtype == torch.bfloat16:
             cpu_gemv.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
+            cpu_gemv.choose_q8(config.cache_dir)  # how its int8 product runs here
         model = load_transformer(path, dtype, device)
         a = model.args
         weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, (2 * a.hidden_dim, a.dim),

@@ -128,7 +128,7 @@ class Proj:
         if self.fmt == "int8":
             if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16
                     and (lib := cpu_gemv.loaded())):
-                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias)
+                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, i16=cpu_gemv.q8_route == "i16")
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
                 # many rows (prefill): the dequantized weight in bf16, oneDNN-packed once at the
                 # first such call and kept (512 rows of the widest projection: 4.2 ms so, 4.6
