@@ -297,3 +297,26 @@ def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
     assert cpu_gemv.rows_route(4, 2, 32) == "bf16"
     assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it
+
+
+@pytest.mark.parametrize("rows,heads,hd", [(1, 12, 64), (7, 4, 32), (16, 6, 128)])
+def test_rope_kernel_rotates_as_the_torch_path(lib, rows, heads, hd, monkeypatch):
+    """Decode rows inside the fused qkv output (heads adjacent, rows strided) are rotated in one
+    C call, to what `layers.rotate`'s torch ops give (fp32 products and sum, bf16 rounding)."""
+    from agentmem.engine import layers
+
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, heads + 3, hd, generator=g).bfloat16()
+    x = qkv[:, :heads]  # q and k of the fused projection: a strided view
+    cos, sin = layers.Rotary(hd, 10000.0, 4096).cos_sin(torch.randint(0, 4096, (rows,), generator=g))
+    assert cpu_gemv.rope_usable(x, cos)
+    calls = []
+    real = cpu_gemv.rope
+    monkeypatch.setattr(cpu_gemv, "rope", lambda *a: calls.append(1) or real(*a))
+    fast = layers.rotate(x, cos, sin)
+    assert calls == [1] and fast.shape == x.shape and fast.dtype == torch.bfloat16
+    monkeypatch.setattr(cpu_gemv, "loaded", lambda: None)  # the torch ops
+    slow = layers.rotate(x, cos, sin)
+    assert (fast.float() - slow.float()).abs().max() <= 1e-2 * slow.float().abs().max()
+    assert (fast != slow).float().mean() < 0.01  # the same rounding but for rare ties
+    assert not cpu_gemv.rope_usable(x.float(), cos) and not cpu_gemv.rope_usable(x[..., :16], cos[:, :16])

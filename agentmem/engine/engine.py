@@ -225,12 +225,13 @@ class Engine(ChatText):
             cpu_gemv.choose_q8(config.cache_dir)  # how its int8 product runs here
         model = load_transformer(path, dtype, device)
         a = model.args
-        weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, (2 * a.hidden_dim, a.dim),
-                                  config.cache_dir)
+        shape = (2 * a.hidden_dim, a.dim)
+        rows_math = resolve_rows_math(config.rows_math, dtype, device, shape, config.cache_dir)
+        weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, shape, config.cache_dir,
+                                  rows_math)
         if weights != model.weights:
             model.pack(weights)
-        model.set_rows_math(resolve_rows_math(config.rows_math, dtype, device, (2 * a.hidden_dim, a.dim),
-                                              config.cache_dir))
+        model.set_rows_math(rows_math)
         if device.type == "cpu" and dtype == torch.bfloat16 and a.sliding_window is None:
             cpu_gemv.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name

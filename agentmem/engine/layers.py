@@ -102,6 +102,9 @@ class Rotary:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., N, heads, hd] rotated by the tables of its N positions (`Rotary.cos_sin`)."""
+    if (x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.rope_usable(x, cos) and not torch.compiler.is_compiling()
+            and (lib := cpu_gemv.loaded())):
+        return cpu_gemv.rope(lib, x, cos, sin)  # decode rows: one C call
     hd = x.shape[-1]
     xf = x if x.dtype == torch.float32 else x.float()
     swapped = xf.view(*x.shape[:-1], 2, hd // 2).flip(-2).view(x.shape)

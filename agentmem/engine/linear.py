@@ -224,7 +224,7 @@ def dense(p: Proj) -> torch.Tensor:
 
 # --- the choice -----------------------------------------------------------------------------
 def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device: torch.device,
-                    shape: tuple[int, int], cache_dir: Path) -> str:
+                    shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16") -> str:
     """The weight format for `AGENTMEM_WEIGHTS=name` with engine dtype `dtype`."""
     own = "bf16" if dtype == torch.bfloat16 else "fp32"
     if name != "auto":
@@ -236,10 +236,10 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
         return name
     if device.type != "cpu" or (dtype_explicit and dtype == torch.float32) or dtype == torch.float16:
         return own
-    return fastest(own, shape, cache_dir)
+    return fastest(own, shape, cache_dir, rows_math)
 
 
-def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
+def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16") -> str:
     """`own` or int8: int8 only where it runs a one-row product of `shape` [out, in] (decode,
     cold weights) faster here and a PREFILL_ROWS-row one (prefill) at most PREFILL_SLACK
     slower; measured once
@@ -250,6 +250,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     kernels = cpu_gemv.tag() if cpu_gemv.loaded() is not None else "no kernels"
     key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{' '.join(flags)}|{kernels}"
+    if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
+        key += f"|rows {rows_math}"
     memo = Path(cache_dir).expanduser() / "weights-choice.json"
     try:
         saved = json.loads(memo.read_text())
@@ -258,7 +260,7 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path) -> str:
     if saved.get(key, {}).get("rule") == RULE:  # a choice made by an earlier rule is made again
         return saved[key]["weights"]
     times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
-    rows = {fmt: rows_seconds(fmt, shape, PREFILL_ROWS) for fmt in (own, "int8")}
+    rows = {fmt: rows_seconds(_with_rows_math(fmt, shape, rows_math), shape, PREFILL_ROWS) for fmt in (own, "int8")}
     choice = "int8" if times["int8"] < times[own] and rows["int8"] <= PREFILL_SLACK * rows[own] else own
     saved[key] = {"weights": choice, "rule": RULE, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()},
                   f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in rows.items()}}
@@ -317,6 +319,12 @@ def resolve_rows_math(name: str, dtype: torch.dtype, device: torch.device, shape
     except OSError:
         pass
     return choice
+
+
+def _with_rows_math(fmt: str, shape: tuple[int, int], rows_math: str) -> Proj:
+    p = Proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
+    p.rows_math = rows_math
+    return p
 
 
 def _timing_dtype(fmt: str) -> torch.dtype:

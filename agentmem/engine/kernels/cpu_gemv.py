@@ -276,6 +276,33 @@ static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* RoPE of bf16 rows as `layers.rotate` computes it: y = x * cos + swap(x) * sin in fp32 (swap
+   exchanges the two halves of a head; the sin table is signed), rounded to bf16. x [N, heads,
+   hd] with rows ldx elements apart and heads hd apart (q and k inside the fused qkv output),
+   cos/sin [N, hd] fp32, y [N, heads, hd] contiguous; hd a multiple of 32. One call instead of
+   six torch ops per layer of a decode token. */
+void agentmem_rope_bf16(const uint16_t *x, int64_t ldx, const float *cs, const float *sn, uint16_t *y,
+                        int64_t N, int64_t heads, int64_t hd) {
+    const int64_t half = hd / 2;
+    #pragma omp parallel for if (N > 16) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cs + n * hd, *s = sn + n * hd;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xr = x + n * ldx + h * hd;
+            uint16_t *yr = y + (n * heads + h) * hd;
+            for (int64_t d = 0; d < half; d += 16) {
+                __m512 a = load_bf16(xr + d), b = load_bf16(xr + half + d);
+                __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + d)),
+                                          _mm512_mul_ps(b, _mm512_loadu_ps(s + d)));
+                __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + half + d)),
+                                          _mm512_mul_ps(a, _mm512_loadu_ps(s + half + d)));
+                _mm256_storeu_si256((__m256i *)(yr + d), (__m256i)_mm512_cvtneps_pbh(lo));
+                _mm256_storeu_si256((__m256i *)(yr + half + d), (__m256i)_mm512_cvtneps_pbh(hi));
+            }
+        }
+    }
+}
+
 /* RMSNorm of bf16 rows as the engine's bf16 path computes it: normalised in fp32, rounded to
    bf16, then multiplied by the bf16 weight and rounded again. x, y [M, D] bf16 (rows ldx and D
    apart), w [D] bf16. One call instead of four torch ops per norm (61 a decode token). */
@@ -543,6 +570,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_gemv": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_gemv_q8i16": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
+    "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32],
 }
@@ -727,6 +755,24 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     lib.agentmem_rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
                                eps)
+    return y
+
+
+def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rope` takes x [N, heads, hd] (bf16 on the CPU, each head's dims contiguous and
+    heads adjacent, hd a multiple of 32) with fp32 tables [N, hd]."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3 and cos.dim() == 2
+            and x.shape[-1] % 32 == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+            and cos.dtype == torch.float32 and cos.shape == (x.shape[0], x.shape[-1]))
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd] rotated by its positions' tables (`Rotary.cos_sin`), as `layers.rotate`
+    computes it, into a new contiguous bf16 tensor (`rope_usable` must hold)."""
+    n, heads, hd = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty(n, heads, hd, dtype=torch.bfloat16)
+    lib.agentmem_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd)
     return y
 
 
