@@ -106,8 +106,11 @@ def cpu_has_bf16() -> bool:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bf16 is native on GPUs and ~3x faster than fp32 on CPUs with AVX512-BF16/AMX; on
-        # an AVX2-only CPU torch emulates it and bf16 matmuls run ~10x slower than fp32.
+        # bf16 is native on GPUs, and on CPUs with AVX512-BF16/AMX it halves the bytes a decode
+        # step reads; on an AVX2-only CPU torch emulates it and bf16 matmuls run ~10x slower
+        # than fp32. Where a bf16 CPU still multiplies many rows faster in fp32 (a Xeon without
+        # AMX: oneDNN's bf16 GEMM at half sgemm's rate), prefill is widened, not the engine:
+        # linear.resolve_rows_math and cpu_gemv.choose_rows_route measure that per machine.
         return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
