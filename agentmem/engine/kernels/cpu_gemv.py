@@ -175,40 +175,65 @@ void agentmem_gemv(const void *w, const float *scale, const uint16_t *x, int64_t
 #define I16_MAX 8191
 #define I16_CHUNK 2048
 
+/* acc += pairwise products of w and x (vpdpwssd), in place: GCC 12's intrinsic for it is not
+   tied to its accumulator, and its loops copied every sum twice a step (~30 register moves
+   per input pair at eight rows). */
+#define DPWSSD(acc, w, x) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+
+/* The int32 sums of `mb` int16 rows over inputs k0..k1 of a 32-output block, as fp32. */
+#define I16_SUMS(mb, k0, k1, out) do { \
+        __m512i acc_[8][2]; \
+        for (int i_ = 0; i_ < (mb); i_++) acc_[i_][0] = acc_[i_][1] = _mm512_setzero_si512(); \
+        for (int64_t k = (k0); k < (k1); k += 2) { \
+            if ((k & 3) == 0) { \
+                _mm_prefetch((const char *)wb + 16 * k + Q8_AHEAD, _MM_HINT_T0); \
+                _mm_prefetch((const char *)wb + 16 * K + 16 * k + Q8_AHEAD, _MM_HINT_T0); \
+            } \
+            __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 16 * k))); \
+            __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 16 * K + 16 * k))); \
+            for (int i_ = 0; i_ < (mb); i_++) { \
+                int32_t pair_; \
+                memcpy(&pair_, x + i_ * ldx + k, 4); \
+                __m512i xv_ = _mm512_set1_epi32(pair_); \
+                DPWSSD(acc_[i_][0], w0, xv_); \
+                DPWSSD(acc_[i_][1], w1, xv_); \
+            } \
+        } \
+        for (int i_ = 0; i_ < (mb); i_++) { \
+            out[i_][0] = _mm512_cvtepi32_ps(acc_[i_][0]); \
+            out[i_][1] = _mm512_cvtepi32_ps(acc_[i_][1]); \
+        } \
+    } while (0)
+
+/* y for `mb` (1-8) int16 rows of a 32-output block: w * s[n] * xs[i] (+ b). Up to I16_CHUNK
+   inputs, one pass of int32 sums (16 of them and the two weight vectors fit the registers as
+   `tile`'s do); past it, per chunk into fp32 sums kept in memory, so the registers stay the
+   int32 ones (with both in registers, GCC's loop spent ~30 register moves a step). */
 __attribute__((target("avx512vnni")))
 static inline __attribute__((always_inline)) void tile_i16(const int8_t *wb, int64_t K, const int16_t *x,
                                                            int64_t ldx, const int mb, void *y, int64_t N, int64_t n,
                                                            const float *s, const float *xs, const float *b, int f32) {
-    __m512 accf[8][2];
-    for (int i = 0; i < mb; i++) accf[i][0] = accf[i][1] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += I16_CHUNK) {
-        const int64_t k1 = K - k0 < I16_CHUNK ? K : k0 + I16_CHUNK;
-        __m512i acc[8][2];
-        for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k1; k += 2) {
-            if ((k & 3) == 0) {
-                _mm_prefetch((const char *)wb + 16 * k + Q8_AHEAD, _MM_HINT_T0);
-                _mm_prefetch((const char *)wb + 16 * K + 16 * k + Q8_AHEAD, _MM_HINT_T0);
-            }
-            __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 16 * k)));
-            __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 16 * K + 16 * k)));
-            for (int i = 0; i < mb; i++) {
-                int32_t pair;
-                memcpy(&pair, x + i * ldx + k, 4);
-                __m512i xv = _mm512_set1_epi32(pair);
-                acc[i][0] = _mm512_dpwssd_epi32(acc[i][0], w0, xv);
-                acc[i][1] = _mm512_dpwssd_epi32(acc[i][1], w1, xv);
-            }
+    __m512 sums[8][2];
+    if (K <= I16_CHUNK) {
+        I16_SUMS(mb, 0, K, sums);
+    } else {
+        float part[8][2][16] __attribute__((aligned(64)));
+        memset(part, 0, sizeof part);
+        for (int64_t k0 = 0; k0 < K; k0 += I16_CHUNK) {
+            __m512 c[8][2];
+            I16_SUMS(mb, k0, K - k0 < I16_CHUNK ? K : k0 + I16_CHUNK, c);
+            for (int i = 0; i < mb; i++)
+                for (int h = 0; h < 2; h++)
+                    _mm512_store_ps(part[i][h], _mm512_add_ps(_mm512_load_ps(part[i][h]), c[i][h]));
+            __asm__ volatile("" ::: "memory");  /* the fp32 sums stay in memory between chunks */
         }
-        for (int i = 0; i < mb; i++) {
-            accf[i][0] = _mm512_add_ps(accf[i][0], _mm512_cvtepi32_ps(acc[i][0]));
-            accf[i][1] = _mm512_add_ps(accf[i][1], _mm512_cvtepi32_ps(acc[i][1]));
-        }
+        for (int i = 0; i < mb; i++)
+            for (int h = 0; h < 2; h++) sums[i][h] = _mm512_load_ps(part[i][h]);
     }
     for (int i = 0; i < mb; i++) {
         const __m512 r = _mm512_set1_ps(xs[i]);
-        store(y, i * N + n, _mm512_mul_ps(accf[i][0], _mm512_mul_ps(_mm512_loadu_ps(s + n), r)), b ? b + n : 0, f32);
-        store(y, i * N + n + 16, _mm512_mul_ps(accf[i][1], _mm512_mul_ps(_mm512_loadu_ps(s + n + 16), r)),
+        store(y, i * N + n, _mm512_mul_ps(sums[i][0], _mm512_mul_ps(_mm512_loadu_ps(s + n), r)), b ? b + n : 0, f32);
+        store(y, i * N + n + 16, _mm512_mul_ps(sums[i][1], _mm512_mul_ps(_mm512_loadu_ps(s + n + 16), r)),
               b ? b + n + 16 : 0, f32);
     }
 }
