@@ -235,3 +235,53 @@ def test_a_compile_past_its_time_limit_leaves_decode_eager(tiny_path, tmp_path):
     assert compiled.get(1, 10) is None
     assert "took over 5 s" in compiled.failed
     assert load(tiny_path, dtype="float32", compile="off").loop.runner.compiled is None
+
+
+def test_a_closed_loop_stops_its_thread_and_fails_what_it_held(tiny_path):
+    e = load(tiny_path, dtype="float32", compile="off")
+    loop = EngineLoop(e)
+    assert drive(e, loop, [ids(20)], 4)[0]  # the thread runs
+    thread = loop._thread
+    stream = e.stream(ids(20, seed=2), max_tokens=10_000, ignore_eos=True, loop=loop)
+    next(iter(stream))  # in the middle of a long generation
+    assert loop.close(5.0) and not thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        for _ in stream:
+            pass
+    with pytest.raises(RuntimeError, match="closed"):
+        e.generate(ids(5), max_tokens=2, loop=loop)
+    assert loop.close()  # again: nothing to do
+
+
+def test_background_compiles_are_waited_for_at_exit(tiny_path):
+    """At exit no background compile starts and those in flight finish first (a process that
+    exited under one aborted); `wait_for_compiles` is what atexit runs."""
+    from agentmem.engine import compiled as compiled_mod
+
+    e = load(tiny_path, dtype="float32", compile="on")
+    c = EngineLoop(e).runner.compiled
+    assert c.background
+    assert c.get(1, 40) is None  # its compile starts in the background
+    try:
+        assert compiled_mod.wait_for_compiles(300.0)
+        assert (1, 256) in c.ready or c.failed is not None
+        assert c.get(2, 40) is None and (2, 256) not in c.ready and c._busy is None  # none starts now
+    finally:
+        compiled_mod._exiting = False
+
+
+def test_a_script_that_exits_right_after_generating_exits_cleanly(tiny_path, tmp_path):
+    """The engine loop's daemon thread may still be finishing its step when a script ends; the
+    process must still exit with status 0 (it aborted with 134 about every other run)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "short.py"
+    script.write_text(
+        "import sys\nfrom agentmem.config import Config\nfrom agentmem.engine import Engine\n"
+        f"e = Engine.load(Config(model_path={str(tiny_path)!r}, device='cpu', dtype='float32', compile='off'))\n"
+        "print(len(e.generate(list(range(5, 40)), max_tokens=16, ignore_eos=True).token_ids))\n")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip() == "16", r.stderr[-2000:]
+        assert "terminate called" not in r.stderr

@@ -29,6 +29,7 @@ keeps the faster by its best step (`prefer`, `record`; the choice is logged and 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -52,6 +53,29 @@ TRIALS = 3  # timed decode steps of each path per bucket before the faster one i
 # the cache dir's unless the user named one before agentmem ran
 _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 MIN_WIDTH = 256
+
+# Background compiles in flight. A process that exits while one runs inside dynamo/inductor
+# aborted ("terminate called without an active exception", exit status 134, about every other
+# run of a short script): the interpreter finalizes under a daemon thread that holds C++
+# state. At exit no compile starts and the ones in flight are waited for (one bucket: seconds;
+# bounded by EXIT_WAIT_S).
+EXIT_WAIT_S = 120.0
+_in_flight: set[threading.Thread] = set()
+_exiting = False
+
+
+def wait_for_compiles(timeout_s: float = EXIT_WAIT_S) -> bool:
+    """Start no more background compiles and wait for those in flight; True if none is left.
+    Registered with atexit."""
+    global _exiting
+    _exiting = True
+    deadline = time.monotonic() + timeout_s
+    for t in list(_in_flight):
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in _in_flight)
+
+
+atexit.register(wait_for_compiles)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor,
@@ -145,9 +169,14 @@ class CompiledDecode:
                 if time.monotonic() - self._busy[1] > self.timeout_s:
                     self._fail(f"compiling bucket {self._busy[0]} took over {self.timeout_s:.0f} s")
                 return None
+            if self.background and _exiting:
+                return None
             self._busy = (bucket, time.monotonic())
         if self.background:
-            threading.Thread(target=self.compile, args=(bucket,), name="agentmem-compile", daemon=True).start()
+            t = threading.Thread(target=self._compile_in_background, args=(bucket,), name="agentmem-compile",
+                                 daemon=True)
+            _in_flight.add(t)
+            t.start()
             return None
         self.compile(bucket)
         return bucket if bucket in self.ready else None
@@ -177,6 +206,12 @@ class CompiledDecode:
     def _fail(self, reason: str) -> None:
         self.failed = reason
         log.warning("agentmem: the compiled decode step is off, decoding eagerly: %s", reason)
+
+    def _compile_in_background(self, bucket: tuple[int, int]) -> None:
+        try:
+            self.compile(bucket)
+        finally:
+            _in_flight.discard(threading.current_thread())
 
     @torch.inference_mode()
     def compile(self, bucket: tuple[int, int]) -> None:

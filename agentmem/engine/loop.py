@@ -8,9 +8,11 @@ pieces (then a `Generation`, or an exception) from the sequence's own queue. So
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +28,25 @@ from .threads import release_omp_pool
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+# Loops whose thread may be running. The thread is a daemon (an app need not close the engine),
+# and a process that exited while it was still finishing a step aborted about every other run
+# of a short script ("terminate called without an active exception", status 134): at
+# finalization a daemon thread that releases the GIL inside torch's C++ (freeing a tensor) is
+# ended by pthread_exit, whose forced unwind cannot pass torch's noexcept frames. At exit each
+# loop stops after its current step and its thread is joined (bounded by CLOSE_WAIT_S).
+CLOSE_WAIT_S = 10.0
+_loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+def close_all(timeout_s: float = CLOSE_WAIT_S) -> None:
+    """Close every engine loop of the process (registered with atexit)."""
+    deadline = time.monotonic() + timeout_s
+    for loop in list(_loops):
+        loop.close(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(close_all)
 
 
 class EngineLoop:
@@ -55,14 +76,30 @@ class EngineLoop:
         self._kv_used = 0
         self._kv_allocated = 0
         self.steps = 0
+        self._closed = False
 
     # --- callers' side -------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
-        self._inbox.put(seq)
-        with self._start_lock:
+        with self._start_lock:  # close() takes it too: nothing is queued after the loop's last look
+            if self._closed:
+                raise RuntimeError("this engine loop is closed")
+            self._inbox.put(seq)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="agentmem-engine", daemon=True)
+                _loops.add(self)
                 self._thread.start()
+
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
+        """Stop the loop's thread after its current step; requests still in it fail with
+        RuntimeError. True if the thread is gone within `timeout_s`. Idempotent."""
+        with self._start_lock:
+            self._closed = True
+            self._inbox.put(None)  # wakes an idle loop
+            t = self._thread
+        if t is None or t is threading.current_thread():
+            return True
+        t.join(timeout_s)
+        return not t.is_alive()
 
     def kv_utilization(self) -> float:
         """Used / allocated KV bytes over the running sequences, summed over steps since the
@@ -76,23 +113,41 @@ class EngineLoop:
     # --- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:
         torch.set_num_threads(torch.get_num_threads())
-        while True:
+        while not self._closed:
             if not self.scheduler.has_work():
                 # idle: this thread's OpenMP workers would only slow the threads that work now
                 # (another engine's loop, the embedder; engine/threads.py)
                 release_omp_pool()
-                self.scheduler.add(self._inbox.get())
+                self._take(self._inbox.get())
             while True:
                 try:
-                    self.scheduler.add(self._inbox.get_nowait())
+                    self._take(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            if self._closed:
+                break
             try:
                 self.step()
             except Exception as exc:  # a failed forward fails its requests, not the loop
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self.scheduler.remove(seq)
-                    seq.out.put(exc)
+                self._fail_all(exc)
+        self._fail_all(RuntimeError("the engine loop was closed"), inbox=True)
+
+    def _take(self, seq: Sequence | None) -> None:
+        if seq is not None:  # None: close()'s wake-up
+            self.scheduler.add(seq)
+
+    def _fail_all(self, exc: Exception, inbox: bool = False) -> None:
+        """Fail every request in the scheduler (and, with `inbox`, those still queued)."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.remove(seq)
+            seq.out.put(exc)
+        while inbox:
+            try:
+                seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if seq is not None:
+                seq.out.put(exc)
 
     @torch.inference_mode()
     def step(self) -> None:
