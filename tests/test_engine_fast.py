@@ -285,3 +285,24 @@ def test_a_script_that_exits_right_after_generating_exits_cleanly(tiny_path, tmp
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and r.stdout.strip() == "16", r.stderr[-2000:]
         assert "terminate called" not in r.stderr
+
+
+def test_a_measured_choice_is_remembered_remade_when_invalid_and_survives_a_bad_file(tmp_path):
+    from agentmem.engine.measured import best_seconds, remembered, simd_flags
+
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return {"route": "a", "rule": len(runs)}
+
+    assert remembered(tmp_path, "c.json", "k", measure) == {"route": "a", "rule": 1}
+    assert remembered(tmp_path, "c.json", "k", measure)["rule"] == 1 and len(runs) == 1  # read back
+    assert remembered(tmp_path, "c.json", "k", measure, lambda e: e["rule"] == 2)["rule"] == 2  # an old rule's
+    assert json.loads((tmp_path / "c.json").read_text())["k"]["rule"] == 2
+    (tmp_path / "c.json").write_text("{not json")
+    assert remembered(tmp_path, "c.json", "k", measure)["rule"] == 3  # measured again, file rewritten
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert remembered(blocked, "c.json", "k", measure)["rule"] == 4  # cannot be saved: still answered
+    assert best_seconds(lambda: sum(range(1000)), 3) > 0 and isinstance(simd_flags(), str)

@@ -34,7 +34,6 @@ int8 and int4 are CPU formats; on CUDA they are refused.
 
 from __future__ import annotations
 
-import json
 import time
 import weakref
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import cpu_gemv
+from .measured import remembered, simd_flags
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 _DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -247,29 +247,20 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     does not decide: on the EPYC VM the int8 kernel decoded 85 tok/s against bf16's 69-75,
     but torch's int8 product had taken a 2,048-token prefill from 834 to 465 tok/s (many rows
     now dequantize to bf16 for the call instead)."""
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     kernels = cpu_gemv.tag() if cpu_gemv.loaded() is not None else "no kernels"
-    key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{' '.join(flags)}|{kernels}"
+    key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{simd_flags()}|{kernels}"
     if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
         key += f"|rows {rows_math}"
-    memo = Path(cache_dir).expanduser() / "weights-choice.json"
-    try:
-        saved = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if saved.get(key, {}).get("rule") == RULE:  # a choice made by an earlier rule is made again
-        return saved[key]["weights"]
-    times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
-    rows = {fmt: rows_seconds(_with_rows_math(fmt, shape, rows_math), shape, PREFILL_ROWS) for fmt in (own, "int8")}
-    choice = "int8" if times["int8"] < times[own] and rows["int8"] <= PREFILL_SLACK * rows[own] else own
-    saved[key] = {"weights": choice, "rule": RULE, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()},
-                  f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in rows.items()}}
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(saved, indent=1))
-    except OSError:
-        pass
-    return choice
+
+    def measure() -> dict:
+        times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
+        rows = {fmt: rows_seconds(_with_rows_math(fmt, shape, rows_math), shape, PREFILL_ROWS) for fmt in (own, "int8")}
+        choice = "int8" if times["int8"] < times[own] and rows["int8"] <= PREFILL_SLACK * rows[own] else own
+        return {"weights": choice, "rule": RULE, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()},
+                f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in rows.items()}}
+
+    # a choice made by an earlier rule is made again
+    return remembered(cache_dir, "weights-choice.json", key, measure, lambda e: e.get("rule") == RULE)["weights"]
 
 
 PREFILL_ROWS = 512  # rows of the prefill product `fastest` times
@@ -297,28 +288,18 @@ def resolve_rows_math(name: str, dtype: torch.dtype, device: torch.device, shape
         return "bf16" if name == "auto" else name
     if name != "auto":
         return name
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    key = f"rows-math|{torch.__version__}|{shape}|{torch.get_num_threads()} threads|{' '.join(flags)}"
-    memo = Path(cache_dir).expanduser() / "weights-choice.json"
-    try:
-        saved = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if key in saved:
-        return saved[key]["rows_math"]
-    times = {}
-    for math in ROWS_MATH:
-        p = Proj(torch.randn(shape).to(torch.bfloat16), fmt="bf16")
-        p.rows_math = math
-        times[math] = min(rows_seconds(p, shape, PREFILL_ROWS) for _ in range(2))
-    choice = "fp32" if times["fp32"] * ROWS_MATH_GAIN < times["bf16"] else "bf16"
-    saved[key] = {"rows_math": choice, f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in times.items()}}
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(saved, indent=1))
-    except OSError:
-        pass
-    return choice
+    key = f"rows-math|{torch.__version__}|{shape}|{torch.get_num_threads()} threads|{simd_flags()}"
+
+    def measure() -> dict:
+        times = {}
+        for math in ROWS_MATH:
+            p = Proj(torch.randn(shape).to(torch.bfloat16), fmt="bf16")
+            p.rows_math = math
+            times[math] = min(rows_seconds(p, shape, PREFILL_ROWS) for _ in range(2))
+        choice = "fp32" if times["fp32"] * ROWS_MATH_GAIN < times["bf16"] else "bf16"
+        return {"rows_math": choice, f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in times.items()}}
+
+    return remembered(cache_dir, "weights-choice.json", key, measure)["rows_math"]
 
 
 def _with_rows_math(fmt: str, shape: tuple[int, int], rows_math: str) -> Proj:

@@ -35,17 +35,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
+
+from ..measured import best_seconds, remembered, simd_flags
 
 log = logging.getLogger("agentmem.engine")
 
@@ -683,36 +683,20 @@ def choose_q8(cache_dir: Path | str) -> str:
     if mode != "auto":
         q8_route = mode
         return q8_route
-    key = f"q8|{tag()}|{torch.get_num_threads()}|" + " ".join(
-        sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx", "fma"))}))
-    memo = Path(cache_dir).expanduser() / "gemv-choice.json"
-    try:
-        saved = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if key not in saved:
+    key = f"q8|{tag()}|{torch.get_num_threads()}|{simd_flags()}"
+
+    def measure() -> dict:
         g = torch.Generator().manual_seed(0)
         n, k = 3072, 576
         copies = 48  # 85 MB of int8 weights: more than a last-level cache, as a decode streams them
         qs = [pack(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)) for _ in range(copies)]
         scale = torch.full((n,), 1e-3)
         x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-        times = {}
-        for route in Q8_ROUTES:
-            best = float("inf")
-            for _ in range(4):
-                t0 = time.perf_counter()
-                for q in qs:
-                    gemv(_lib, q, x, scale=scale, i16=route == "i16")
-                best = min(best, (time.perf_counter() - t0) / copies)
-            times[route] = best
-        saved[key] = {"route": min(times, key=times.get), "us": {r: round(t * 1e6, 1) for r, t in times.items()}}
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            memo.write_text(json.dumps(saved, indent=1))
-        except OSError:
-            pass
-    q8_route = saved[key]["route"]
+        times = {r: best_seconds(lambda r=r: [gemv(_lib, q, x, scale=scale, i16=r == "i16") for q in qs], 4, copies)
+                 for r in Q8_ROUTES}
+        return {"route": min(times, key=times.get), "us": {r: round(t * 1e6, 1) for r, t in times.items()}}
+
+    q8_route = remembered(cache_dir, "gemv-choice.json", key, measure)["route"]
     return q8_route
 
 
@@ -880,15 +864,10 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
         return "bf16"
     from ..model_runner import attend_chunk  # lazy: the runner imports this module
 
-    flags = sorted(f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx", "fma")))
     key = f"rows-attention|{tag()}|{torch.__version__}|{heads},{kv_heads},{head_dim}|{torch.get_num_threads()}|" \
-          + " ".join(sorted(set(flags)))
-    memo = Path(cache_dir).expanduser() / "attention-choice.json"
-    try:
-        saved = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if key not in saved:
+          + simd_flags()
+
+    def measure() -> dict:
         n, chunk = 2048, 512
         g = torch.Generator().manual_seed(0)
         q = torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
@@ -905,23 +884,12 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
             for s in range(0, n, chunk):  # what attend_chunk does with the route fp32
                 attend_chunk(qf[s:s + chunk], kf[:s + chunk], vf[:s + chunk], s).to(torch.bfloat16)
 
-        times = {}
-        for name, fn in (("kernel", kernel), ("fp32", widened)):
-            fn()
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            times[name] = best
-        saved[key] = {"route": min(times, key=times.get), "ms": {k_: round(t * 1e3, 2) for k_, t in times.items()}}
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            memo.write_text(json.dumps(saved, indent=1))
-        except OSError:
-            pass
-    _ROUTES[(heads, kv_heads, head_dim)] = saved[key]["route"]
-    return saved[key]["route"]
+        times = {name: best_seconds(fn, 3) for name, fn in (("kernel", kernel), ("fp32", widened))}
+        return {"route": min(times, key=times.get), "ms": {k_: round(t * 1e3, 2) for k_, t in times.items()}}
+
+    route = remembered(cache_dir, "attention-choice.json", key, measure)["route"]
+    _ROUTES[(heads, kv_heads, head_dim)] = route
+    return route
 
 
 def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
