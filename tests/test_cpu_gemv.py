@@ -296,6 +296,10 @@ def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
     assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32) == other == cpu_gemv.rows_route(4, 2, 32)
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
     assert cpu_gemv.rows_route(4, 2, 32) == "bf16"
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "yes")  # a typo is an error, not the default
+    with pytest.raises(ValueError, match="AGENTMEM_ATTN_KERNEL"):
+        cpu_gemv.rows_route(4, 2, 32)
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
     assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it
 
 

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from ..config import Config
 from .engine import Engine, Segment
 from .kernels import cpu_gemv
-from .linear import INT4_GROUP, Proj, cpu_flags, onednn_bf16
+from .linear import INT4_GROUP, Proj, onednn_bf16
 from .loop import EngineLoop
+from .measured import simd_flags
 from .model import ModelArgs
 from .weights import resolve_model_dir
 
@@ -431,7 +432,7 @@ def main(argv: list[str]) -> int:
         "decode_bound_tok_s": round(bound, 1),
         "decode_pct_of_bandwidth_bound": round(100 * decode / bound, 1),
         "decode_int8_pct_of_bandwidth_bound": round(100 * max(ours_int8) * decode_weight_bytes(margs, 1) / (mem * 1e9), 1),
-        "cpu_flags": " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))),
+        "cpu_flags": simd_flags(),
         **(llamacpp_figures(model_path, ids, chat_ids, args.new_tokens, threads)
            if model_path is None or model_path.suffix == ".gguf"
            else {"llamacpp_prefill_tok_s": None, "llamacpp_decode_tok_s": None}),

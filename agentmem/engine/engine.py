@@ -26,6 +26,7 @@ from .kernels.reference import sdpa
 from .layers import visible
 from .linear import resolve_rows_math, resolve_weights
 from .loop import EngineLoop
+from .measured import cpu_flags
 from .model import Transformer, load_transformer
 from .model_runner import attend_chunk
 from .sampler import SamplingParams
@@ -97,11 +98,7 @@ def pick_device(name: str) -> torch.device:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import cpu_gemv
-from .measured import remembered, simd_flags
+from .measured import cpu_flags, remembered, simd_flags
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 _DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,13 +53,6 @@ INT4_GROUP = 32
 # probe's question rows, a blend's recomputed rows), while at 2k rows (a full prefill) the
 # [out, in] layout is ~3% ahead (interleaved A/B, 2-core AMD EPYC, qkv and gate/up shapes).
 TRANSPOSED_MAX_ROWS = 512
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
 
 
 def onednn_bf16() -> bool:
@@ -293,9 +286,7 @@ def resolve_rows_math(name: str, dtype: torch.dtype, device: torch.device, shape
     def measure() -> dict:
         times = {}
         for math in ROWS_MATH:
-            p = Proj(torch.randn(shape).to(torch.bfloat16), fmt="bf16")
-            p.rows_math = math
-            times[math] = min(rows_seconds(p, shape, PREFILL_ROWS) for _ in range(2))
+            times[math] = min(rows_seconds(_with_rows_math("bf16", shape, math), shape, PREFILL_ROWS) for _ in range(2))
         choice = "fp32" if times["fp32"] * ROWS_MATH_GAIN < times["bf16"] else "bf16"
         return {"rows_math": choice, f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in times.items()}}
 
@@ -317,8 +308,7 @@ def rows_seconds(fmt: str | Proj, shape: tuple[int, int], rows: int, repeats: in
     """Best-of-`repeats` seconds (process CPU time) of one `rows`-row product in format `fmt`
     (or of the projection given)."""
     p = fmt if isinstance(fmt, Proj) else Proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
-    dtype = torch.bfloat16 if p.fmt == "bf16" or (p.fmt != "fp32" and onednn_bf16()) else torch.float32
-    x = torch.randn(rows, shape[1]).to(dtype)
+    x = torch.randn(rows, shape[1]).to(_timing_dtype(p.fmt))
     p(x)
     best = float("inf")
     for _ in range(repeats):

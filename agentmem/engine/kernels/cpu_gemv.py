@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from ..measured import best_seconds, remembered, simd_flags
+from ..measured import best_seconds, cpu_flags, remembered, simd_flags
 
 log = logging.getLogger("agentmem.engine")
 
@@ -606,10 +606,7 @@ why_not: str | None = None  # why the kernel is not in use, once `load` has been
 
 
 def _cpu_ok() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return "avx512_bf16" in cpu_flags()
 
 
 def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
@@ -658,10 +655,7 @@ q8_route = "bf16"  # how int8 weights multiply few rows: widened to bf16, or int
 
 
 def vnni() -> bool:
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return "avx512_vnni" in cpu_flags()
 
 
 def choose_q8(cache_dir: Path | str) -> str:
@@ -835,7 +829,7 @@ def widen_rows(q: torch.Tensor, k: torch.Tensor) -> bool:
             and rows_route(q.shape[1], k.shape[1], q.shape[2]) == "fp32")
 
 
-ROWS_ROUTES = ("kernel", "fp32", "bf16")
+ATTN_MODES = {"on": "kernel", "off": "bf16", "bf16": "bf16", "fp32": "fp32"}  # AGENTMEM_ATTN_KERNEL -> route
 _ROUTES: dict[tuple[int, int, int], str] = {}  # (heads, kv_heads, head_dim) -> the route measured
 
 
@@ -845,13 +839,11 @@ def rows_route(heads: int, kv_heads: int, head_dim: int) -> str:
     default: what `choose_rows_route` measured for these shapes, else the kernel) | on (the
     kernel) | off (SDPA in bf16) | fp32."""
     mode = os.environ.get("AGENTMEM_ATTN_KERNEL", "auto")
-    if mode in ("off", "bf16"):
-        return "bf16"
-    if mode == "fp32":
-        return "fp32"
-    if mode == "on":
-        return "kernel"
-    return _ROUTES.get((heads, kv_heads, head_dim), "kernel")
+    if mode == "auto":
+        return _ROUTES.get((heads, kv_heads, head_dim), "kernel")
+    if mode not in ATTN_MODES:
+        raise ValueError(f"AGENTMEM_ATTN_KERNEL must be auto, {', '.join(ATTN_MODES)}, got {mode!r}")
+    return ATTN_MODES[mode]
 
 
 def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim: int) -> str:
