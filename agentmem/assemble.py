@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .compress.policy import BudgetPolicy
 from .engine import Segment
+from .tiers.keys import unprefixed
 from .tiers.records import CoreBlock, Hit, Message, own_reply
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
@@ -84,6 +85,7 @@ def memory_line(hit: Hit, compressed: bool = False) -> str:
     `compressed`, its stored compressed text where it has one."""
     text = " ".join(((compressed and hit.compressed_text) or hit.text).split())
     if hit.kind == "message":
+        text = unprefixed(text, hit.name)  # "Caroline said: ..." once, not "Caroline said: "Caroline: ...""
         who = f"{hit.name} said" if hit.name else "you said" if hit.role == "assistant" else "I said"
         context = f" ({hit.context})" if hit.context else ""  # the turn a short reply answers, or a question's answer
         return f'- {hit.time:%Y-%m-%d} {who}: "{text}"{context}\n'

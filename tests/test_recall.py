@@ -181,6 +181,49 @@ def test_speaker_named_in_the_question_is_favoured(store):
     assert hits[0].id == ids["Our tabby cat knocked a plant off the shelf again"]
 
 
+@pytest.mark.parametrize("texts, names", [
+    (["Caroline: I went to the support group", "Mel: How was it?", "Caroline: Powerful"],
+     ["Caroline", "Mel", "Caroline"]),
+    (["Mary Ann: hi", "Jo: hey there", "no prefix here", "Jo: fine", "Mary Ann: good"],  # 80% is enough
+     ["Mary Ann", "Jo", None, "Jo", "Mary Ann"]),
+    (["Note: buy milk", "Update: bought it"], [None, None]),  # labels, not people
+    (["User: hi", "Assistant: hello"], [None, None]),  # roles, not names
+    (["Paris: day 3 of the trip"], [None]),  # one message: a heading
+    (["Caroline: hi", "how are you?", "fine thanks"], [None, None, None]),  # not a transcript
+    (["see you at 10: bring snacks", "ok: will do"], [None, None]),
+    ([f"P{i}: hello there" for i in range(9)], [None] * 9),  # nine 'names': labels
+])
+def test_speakers_named_in_a_flattened_transcript(texts, names):
+    from agentmem.tiers.keys import transcript_speakers, unprefixed
+
+    assert transcript_speakers(texts) == names
+    assert unprefixed("Caroline: I went there", "Caroline") == "I went there"
+    assert unprefixed("Caroline: I went there", "Mel") == "Caroline: I went there"
+    assert unprefixed("Carolines are nice", "Caroline") == "Carolines are nice"
+
+
+def test_transcript_prefixes_make_speakers(store):
+    """A conversation imported as role/content pairs with the speaker in the text is ranked
+    as if it named its speakers: the text is kept verbatim, the speaker comes from the prefix."""
+    sid = store.open_session("default", "alice").id
+    turns = [f"{who}: {text}" for who, text, _ in SMALL_TALK] + [
+        "Priya: Our tabby cat knocked a plant off the shelf again",
+        "Tom: Ha, our parrot keeps shouting at the neighbour's dog"]
+    stored = store.add_messages("default", "alice", sid, [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t, "created_at": T0 + timedelta(minutes=i)}
+        for i, t in enumerate(turns)])
+    assert [m.name for m in stored[-2:]] == ["Priya", "Tom"] and stored[-1].text == turns[-1]
+    hits = store.search("default", "alice", "What pet does Tom have?", k=2)
+    assert hits[0].id == stored[-1].id and hits[0].name == "Tom"
+    hits = store.search("default", "alice", "What pet does Priya have?", k=2)
+    assert hits[0].id == stored[-2].id
+    # a batch that gives names keeps them, prefixes or not
+    named = store.add_messages("default", "alice", sid, [
+        {"role": "user", "name": "Priya", "content": "Tom: is what he said", "created_at": T0 + timedelta(hours=1)},
+        {"role": "user", "name": "Priya", "content": "Tom: and again", "created_at": T0 + timedelta(hours=1)}])
+    assert [m.name for m in named] == ["Priya", "Priya"]
+
+
 def test_time_in_the_question_picks_the_window(store):
     ids = _conversation(store, sessions=[
         [("Priya", "I cooked a huge pot of lentil curry tonight", 0), ("Tom", "Yum", 0)],

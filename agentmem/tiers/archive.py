@@ -25,7 +25,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from . import ids as row_ids
 from . import lexical
 from . import records as R
-from .keys import attachment_text, message_text
+from .keys import attachment_text, message_text, transcript_speakers
 from .records import Conflict, InvalidInput, MessageMeta, NotFound
 from .schema import (
     AgentRow,
@@ -361,6 +361,9 @@ class Archive:
             extras.append(attachment_text(m, f"message {i}"))
         for row, extra in zip(rows, extras, strict=True):
             row.keys = extra or None
+        if rows and all(row.name is None for row in rows):  # a transcript flattened to role/content
+            for row, name in zip(rows, transcript_speakers([row.text for row in rows]), strict=True):
+                row.name = name
         with self.tx() as s:
             self._check_session(s, tenant_id, user_id, session_id)
             s.add_all(rows)

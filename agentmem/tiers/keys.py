@@ -10,6 +10,8 @@ What recall returns and the prompt shows is always the message text itself.
 
 from __future__ import annotations
 
+import re
+
 from .records import InvalidInput
 
 PREVIOUS_CHARS = 300  # of the turn a message answers, in its keys
@@ -61,3 +63,53 @@ def context_view(text: str, previous: str | None, keys: str | None) -> str:
     if not previous:
         return own
     return f"{' '.join(previous.split())[:PREVIOUS_CHARS]}\n{own}"
+
+
+# --- speakers named inside the text --------------------------------------------------------
+# Transcripts are often imported flattened to role/content pairs with the speaker in the text
+# ("Caroline: I went to the support group yesterday"). Recall weighs a turn by who said it
+# (the speaker boost, the person vote, the name masked in the embedded question), so a batch
+# that reads as such a transcript gets its speakers from the prefixes. The text is stored as
+# given; only the dense views leave the prefix out (`unprefixed`).
+_PREFIX = re.compile(r"\s*([A-Z][\w'’.-]{0,30}(?: [A-Z][\w'’.-]{0,30})?)\s*:\s+\S")
+# labels and roles, not people ("Note: ...", "User: ...")
+NOT_NAMES = frozenset({
+    "a", "ai", "answer", "assistant", "bot", "caption", "edit", "error", "example", "human", "image", "input", "me",
+    "note", "output", "photo", "ps", "q", "question", "re", "reply", "step", "subject", "summary", "system", "tip",
+    "todo", "update", "user", "warning", "you",
+})
+TRANSCRIPT_SHARE = 0.8  # of a batch's messages that must open with a name and a colon
+TRANSCRIPT_MIN = 2  # messages a batch needs before its prefixes are read as speakers
+TRANSCRIPT_MAX_NAMES = 8  # more distinct "names" than this is a list of labels, not a talk
+
+
+def prefix_name(text: str) -> str | None:
+    """'Caroline' for "Caroline: I went ...", else None (a label such as 'Note' is no name)."""
+    m = _PREFIX.match(text)
+    if m is None or m.group(1).lower().rstrip(".") in NOT_NAMES:
+        return None
+    return m.group(1)
+
+
+def transcript_speakers(texts: list[str]) -> list[str | None]:
+    """The speaker each message of a batch names at its start, when the batch reads as a
+    transcript: at least TRANSCRIPT_MIN messages, TRANSCRIPT_SHARE of them opening with
+    "Name: " and at most TRANSCRIPT_MAX_NAMES names. Otherwise all None: one message's
+    "Paris: day 3" is a heading, not a speaker."""
+    names = [prefix_name(t) for t in texts]
+    found = [n for n in names if n]
+    if len(texts) < TRANSCRIPT_MIN or len(found) < TRANSCRIPT_SHARE * len(texts):
+        return [None] * len(texts)
+    if len(set(found)) > TRANSCRIPT_MAX_NAMES:
+        return [None] * len(texts)
+    return names
+
+
+def unprefixed(text: str, name: str | None) -> str:
+    """The text without its speaker's own "Name: " opening (what the dense views embed: the
+    name would otherwise pull every question about that person toward all their turns)."""
+    if name and text.startswith(name):
+        rest = text[len(name):].lstrip()
+        if rest.startswith(":"):
+            return rest[1:].lstrip() or text
+    return text

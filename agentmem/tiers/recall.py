@@ -52,7 +52,7 @@ import numpy as np
 
 from .archive import Archive
 from .byte_lru import ByteLRU
-from .keys import context_view
+from .keys import context_view, unprefixed
 from .query import ParsedQuery, content_terms, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta, own_reply
 from .specific import TermStats
@@ -133,7 +133,7 @@ def sentences(text: str) -> list[str]:
 def _message_pieces(m: Message, previous: str | None) -> list[tuple[str, tuple[int, int, int, int]]]:
     """(text, piece) for each vector the dense index holds of a message; a piece is
     (kind, row id, chunk, view)."""
-    chunks = chunk_text(m.text)
+    chunks = chunk_text(unprefixed(m.text, m.name))
     out = [(c, (_MESSAGE, m.id, i, _VIEW_TEXT)) for i, c in enumerate(chunks)]
     out += [(t, (_MESSAGE, m.id, i, _VIEW_SENTENCE)) for i, t in enumerate(sentences(chunks[0]))]
     out.append((context_view(chunks[0], previous, m.keys), (_MESSAGE, m.id, 0, _VIEW_CONTEXT)))
@@ -557,7 +557,7 @@ class Recall:
         first: dict[str, int] = {}
         for m in messages:
             first.setdefault(m.session_id, m.id)
-        last = {sid: m.text for sid, m in self.archive.turns_before(tenant_id, user_id, first).items()}
+        last = {sid: unprefixed(m.text, m.name) for sid, m in self.archive.turns_before(tenant_id, user_id, first).items()}
         with self._lock(tenant_id, user_id):
             ui = self._current((tenant_id, user_id), epoch)
             known = {m.id for m in messages if ui is None or m.id in ui.messages}
@@ -565,7 +565,7 @@ class Recall:
         size = 0
         for n, m in enumerate(messages):
             got = _message_pieces(m, last.get(m.session_id))
-            last[m.session_id] = m.text
+            last[m.session_id] = unprefixed(m.text, m.name)
             if m.id not in known:
                 run.append((m, got))
                 size += len(got)
