@@ -167,13 +167,45 @@ def test_the_int8_route_is_measured_once_and_can_be_set(lib, tmp_path, monkeypat
     entry["route"] = "bf16" if route == "i16" else "i16"
     (tmp_path / "gemv-choice.json").write_text(json.dumps(saved))
     assert cpu_gemv.choose_q8(tmp_path) == entry["route"]  # remembered, not timed again
-    p = Proj(torch.randn(64, 96).bfloat16(), fmt="int8")
-    x = torch.randn(3, 96).bfloat16()
+    w, x = torch.randn(64, 128).bfloat16(), torch.randn(3, 128).bfloat16()
     routes = {}
-    for r in cpu_gemv.Q8_ROUTES:
+    for r in cpu_gemv.Q8_ROUTES:  # a projection takes the layout of the route it was built under
         monkeypatch.setattr(cpu_gemv, "q8_route", r)
+        p = Proj(w, fmt="int8")
+        assert p.w_gemv.dtype == (torch.uint8 if r == "u8" else torch.int8)
         routes[r] = p(x).float()
-    assert (routes["bf16"] - routes["i16"]).abs().max() < 0.02 * routes["bf16"].abs().max()
+    for r in ("i16", "u8"):
+        assert (routes["bf16"] - routes[r]).abs().max() < 0.03 * routes["bf16"].abs().max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (5, 64, 128), (8, 576, 1536), (11, 32, 64), (16, 96, 4096)])
+def test_int8_gemv_on_int8_rows_stays_within_their_quantization(lib, rows, out, inp):
+    """The u8 route quantizes each block of U8_BLOCK inputs of a row to int8 at its own scale:
+    within that rounding of the exact product (an outlier channel costs only its block), and a
+    row's result does not depend on the rows batched with it (the same tokens alone or in a
+    batch)."""
+    g = torch.Generator().manual_seed(rows + out)
+    w = torch.randn(out, inp, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    x[0, 3] = 40.0  # an outlier channel, as real activations have
+    b = torch.randn(out, generator=g)
+    deq = q.float() * scale[:, None]
+    ref = x.float() @ deq.t() + b
+    wu = cpu_gemv.pack_u8(q)
+    y = cpu_gemv.gemv_int8(lib, wu, scale, x, b, torch.float32)
+    blocks = x.float().reshape(rows, -1, cpu_gemv.U8_BLOCK)
+    step = (blocks.abs().amax(-1, keepdim=True) / 127).expand_as(blocks).reshape(rows, inp)  # per input
+    bound = 0.5 * step @ deq.abs().t()  # the worst case of that rounding
+    assert ((y - ref).abs() <= bound + 1e-4 * ref.abs().max()).all()
+    # the outlier's block only: one scale for the whole row would round every input of row 0 that coarsely
+    assert (y[0] - ref[0]).abs().mean() < 0.5 * (0.5 * 40.0 / 127 * deq.abs().sum(1)).mean()
+    alone = torch.cat([cpu_gemv.gemv_int8(lib, wu, scale, x[i:i + 1], b, torch.float32) for i in range(rows)])
+    assert torch.equal(alone, y)
+    with pytest.raises(ValueError):  # inputs not a multiple of the block
+        cpu_gemv.gemv_int8(lib, cpu_gemv.pack_u8(q[:, :inp - 32]), scale, x[:, :inp - 32])
 
 
 def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):

@@ -18,7 +18,8 @@ interleaved, so both see the same load on a shared machine):
   that reserves prompt + max_tokens per request, the best case of pre-paging servers).
 - max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens;
   `perplexity` of fp32, the bench dtype and int8 weights on those tokens, and int8's max
-  logit error against our fp32.
+  logit error against our fp32; `decode_perplexity`, the same tokens read one a forward as
+  decode reads them (int8's few-row products run the GEMV route chosen here, `int8_route`).
 - the machine: matmul rate (fp32, bf16, and the engine's own projection: the bench dtype in
   the weight format used, many rows multiplied as `rows_math` says, linear.resolve_rows_math)
   and memory copy bandwidth, to say how far each figure is from what the hardware allows; the
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config
-from .engine import Engine, Segment
+from .engine import DenseKV, Engine, Segment
 from .kernels import cpu_gemv
 from .linear import INT4_GROUP, Proj, onednn_bf16
 from .loop import EngineLoop
@@ -236,6 +237,18 @@ def perplexity(engine: Engine, ids: list[int]) -> tuple[float, torch.Tensor]:
     return float(torch.exp(F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:], device=logits.device)))), logits
 
 
+def decode_perplexity(engine: Engine, ids: list[int]) -> float:
+    """Perplexity of `ids` read one token a forward over the KV of those before it, as decode
+    reads them: the few-row products (the GEMV kernels and their int8 route, `int8_route`),
+    where `perplexity` goes through prefill's many-row ones."""
+    t = torch.tensor(ids, device=engine.device)
+    kv = DenseKV(engine.model, len(t), engine.device, engine.dtype)
+    with torch.inference_mode():
+        logits = torch.cat([engine.model(t[i:i + 1], torch.arange(i, i + 1, device=engine.device),
+                                         kv.backend(i, 1)).float() for i in range(len(t) - 1)])
+    return float(torch.exp(F.cross_entropy(logits, t[1:])))
+
+
 def decode_loop(engine: Engine, compiled: bool, pool_tokens: int) -> EngineLoop:
     """An EngineLoop, its decode step compiled (every bucket compiled at first use, not in the
     background, and run compiled: no measured choice) or eager."""
@@ -383,6 +396,10 @@ def main(argv: list[str]) -> int:
     ppl_own, _ = perplexity(engine, err_ids)
     ppl_int8, int8_logits = perplexity(int8, err_ids)
     ppl = {"fp32": round(ppl_fp32, 4), weights: round(ppl_own, 4), "int8": round(ppl_int8, 4)}
+    # the same tokens one at a time, through decode's products (int8: the GEMV route chosen here)
+    ppl_decode = {"int8": round(decode_perplexity(int8, err_ids), 4)}
+    if weights != "int8":
+        ppl_decode[weights] = round(decode_perplexity(engine, err_ids), 4)
     dense_fmt = "bf16" if dtype == torch.bfloat16 else "fp32"
     if dense_fmt not in ppl:  # the engine dtype's dense weights, what int8 is judged against
         ppl[dense_fmt] = round(perplexity(Engine.load(engine.config.model_copy(update={"weights": dense_fmt})),
@@ -416,6 +433,8 @@ def main(argv: list[str]) -> int:
         "batch8_decode_tok_s" if args.streams == 8 else f"batch{args.streams}_decode_tok_s": round(rate, 1),
         "max_logit_err": err,
         "perplexity": ppl,
+        "decode_perplexity": ppl_decode,
+        "int8_route": cpu_gemv.q8_route if cpu_gemv.loaded() is not None else "torch",
         "int8_max_logit_err_vs_fp32": round(float((int8_logits - ref).abs().max()), 4),
         "kv_utilization": round(util, 4),
         "dtype": str(dtype).removeprefix("torch."),

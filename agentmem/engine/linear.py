@@ -90,7 +90,9 @@ class Proj:
             self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
             self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             if cpu_gemv.loaded() is not None and cpu_gemv.fits(w):  # few rows: the int8 kernel
-                self.w_gemv = cpu_gemv.pack(self.packed)
+                # in the layout of the route chosen for this machine (the u8 route's for it)
+                u8 = cpu_gemv.q8_route == "u8" and cpu_gemv.fits_u8(w)
+                self.w_gemv = cpu_gemv.pack_u8(self.packed) if u8 else cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
             self.packed, self.scales_zeros = _int4_pack(w)
         elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():

@@ -238,31 +238,51 @@ static inline __attribute__((always_inline)) void tile_i16(const int8_t *wb, int
     }
 }
 
+/* 16 bf16 -> 16 fp32 */
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Row m of x (bf16, K inputs) quantized to int16 at step xs[m] = amax / I16_MAX, 32 inputs an
+   instruction (a scalar loop took ~3 ns an input: 2.4 ms of a model's 120 products at eight
+   rows, a third of the step's GEMV time). Rounded to nearest even, as lrintf. */
+__attribute__((target("avx512vnni")))
+static void quantize_i16(const uint16_t *xr, int64_t K, int16_t *q, float *xs) {
+    __m512 amax = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16(xr + k)));
+    float top = _mm512_reduce_max_ps(amax);
+    for (; k < K; k++) {
+        uint32_t u = (uint32_t)xr[k] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        top = fmaxf(top, fabsf(f));
+    }
+    const float step = top > 0.0f ? top / I16_MAX : 1.0f, inv = 1.0f / step;
+    *xs = step;
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (k = 0; k + 16 <= K; k += 16)
+        _mm256_storeu_si256((__m256i *)(q + k),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(xr + k), iv))));
+    for (; k < K; k++) {
+        uint32_t u = (uint32_t)xr[k] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        q[k] = (int16_t)lrintf(f * inv);
+    }
+}
+
+#define I16_STACK 16384  /* int16 inputs quantized on the stack (8 rows of 2,048); more are malloc'd */
+
 /* `agentmem_gemv` for int8 weights on AVX512-VNNI: the bf16 input rows are quantized to int16
    (symmetric, one scale per row) here, then every 32-output block runs them 8 at a time. */
 __attribute__((target("avx512vnni")))
 void agentmem_gemv_q8i16(const int8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
                          const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    int16_t stack[M * K <= I16_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
+    int16_t *xq = M * K <= I16_STACK ? stack : (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
     float xs[M > 0 ? M : 1];
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * ldx;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
-            uint32_t u = (uint32_t)xr[k] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            amax = fmaxf(amax, fabsf(f));
-        }
-        const float step = amax > 0.0f ? amax / I16_MAX : 1.0f, inv = 1.0f / step;
-        xs[m] = step;
-        for (int64_t k = 0; k < K; k++) {
-            uint32_t u = (uint32_t)xr[k] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            xq[m * K + k] = (int16_t)lrintf(f * inv);
-        }
-    }
+    for (int64_t m = 0; m < M; m++) quantize_i16(x + m * ldx, K, xq + m * K, xs + m);
     const int64_t blocks = N / 32;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -274,7 +294,103 @@ void agentmem_gemv_q8i16(const int8_t *w, const float *scale, const uint16_t *x,
             #undef TILE
         }
     }
-    free(xq);
+    if (xq != stack) free(xq);
+}
+
+/* int8 weights against int8 activations on AVX512-VNNI (`u8`): `vpdpbusd` multiplies four
+   unsigned bytes by four signed ones into each int32 lane, 64 products an instruction where
+   `vpdpwssd` makes 32; on the Xeon VMs either runs on one port, so eight rows take half the
+   instructions. The weights are stored offset by 128 as unsigned bytes (u = q + 128, the sign
+   bit flipped), packed [N/16][K/4][16][4] so that a 32-bit lane holds one output's four
+   inputs. The input rows are quantized to int8 with a scale per U8_BLOCK inputs (one scale per
+   row cost SmolLM2 3% of decode perplexity: an outlier channel leaves the rest of its row a
+   few levels) and broadcast four at a time as the signed operand. Each block's int32 sums
+   go to fp32 at its scale. sum u * x = sum q * x + 128 * sum x: the 128 * sum x of a row's
+   blocks, at their scales, is one number per row (`corr`) taken off at the end. */
+#define U8_BLOCK 64
+#define DPBUSD(acc, u, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x))
+
+/* Row x (bf16, K inputs, K a multiple of U8_BLOCK) to int8 q, a scale per block xs[K / U8_BLOCK]
+   and the row's offset correction *corr. */
+__attribute__((target("avx512vnni")))
+static void quantize_i8(const uint16_t *xr, int64_t K, int8_t *q, float *xs, float *corr) {
+    float c = 0.0f;
+    for (int64_t k0 = 0, blk = 0; k0 < K; k0 += U8_BLOCK, blk++) {
+        __m512 v[U8_BLOCK / 16], amax = _mm512_setzero_ps();
+        for (int j = 0; j < U8_BLOCK / 16; j++) {
+            v[j] = load_bf16(xr + k0 + 16 * j);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
+        }
+        const float top = _mm512_reduce_max_ps(amax);
+        const float step = top > 0.0f ? top / 127.0f : 1.0f;
+        const __m512 iv = _mm512_set1_ps(1.0f / step);
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = 0; j < U8_BLOCK / 16; j++) {
+            const __m512i t = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], iv));
+            sum = _mm512_add_epi32(sum, t);
+            _mm_storeu_si128((__m128i *)(q + k0 + 16 * j), _mm512_cvtsepi32_epi8(t));
+        }
+        xs[blk] = step;
+        c += step * 128.0f * (float)_mm512_reduce_add_epi32(sum);
+    }
+    *corr = c;
+}
+
+/* y for `mb` (1-8) int8 rows of a 16-output group (`wg`: [K/4][16][4] bytes): per block,
+   int32 sums (8 registers) scaled into fp32 ones (8 more). */
+__attribute__((target("avx512vnni")))
+static inline __attribute__((always_inline)) void tile_u8(const uint8_t *wg, int64_t K, const int8_t *x,
+                                                          int64_t ldx, const int mb, void *y, int64_t N, int64_t n,
+                                                          const float *s, const float *xs, const float *corr,
+                                                          const float *b, int f32) {
+    const int64_t nb = K / U8_BLOCK;
+    __m512 f[8];
+    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += U8_BLOCK) {
+        __m512i acc[8];
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k0 + U8_BLOCK; k += 4) {
+            _mm_prefetch((const char *)wg + 16 * k + Q8_AHEAD, _MM_HINT_T0);
+            const __m512i u = _mm512_loadu_si512(wg + 16 * k);
+            for (int i = 0; i < mb; i++) {
+                int32_t quad;
+                memcpy(&quad, x + i * ldx + k, 4);
+                DPBUSD(acc[i], u, _mm512_set1_epi32(quad));
+            }
+        }
+        for (int i = 0; i < mb; i++)
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / U8_BLOCK]), f[i]);
+    }
+    const __m512 sn = _mm512_loadu_ps(s + n);
+    for (int i = 0; i < mb; i++)
+        store(y, i * N + n, _mm512_mul_ps(_mm512_sub_ps(f[i], _mm512_set1_ps(corr[i])), sn), b ? b + n : 0, f32);
+}
+
+#define I8_STACK 32768  /* int8 inputs quantized on the stack; more are malloc'd */
+
+/* `agentmem_gemv` for int8 weights packed by `pack_u8` (K a multiple of U8_BLOCK): the bf16
+   input rows are quantized to int8 here, then every 32-output block runs them 8 at a time,
+   one 16-output group after the other. */
+__attribute__((target("avx512vnni")))
+void agentmem_gemv_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
+                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
+    const int64_t nb = K / U8_BLOCK;
+    int8_t stack[M * K <= I8_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
+    int8_t *xq = M * K <= I8_STACK ? stack : (int8_t *)malloc((size_t)(M * K));
+    float xs[M * nb > 0 ? M * nb : 1], corr[M > 0 ? M : 1];
+    for (int64_t m = 0; m < M; m++) quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, corr + m);
+    const int64_t groups = N / 16;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int64_t left = M - m0, n = g * 16;
+            char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
+            #define TILE(mb) tile_u8(w + g * 16 * K, K, xq + m0 * K, K, mb, ym, N, n, scale, xs + m0 * nb, corr + m0, b, f32)
+            BY_ROWS(left, TILE)
+            #undef TILE
+        }
+    }
+    if (xq != stack) free(xq);
 }
 
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
@@ -294,11 +410,6 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
-}
-
-/* 16 bf16 -> 16 fp32 */
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* RoPE of bf16 rows as `layers.rotate` computes it: y = x * cos + swap(x) * sin in fp32 (swap
@@ -594,6 +705,7 @@ _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_gemv": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_gemv_q8i16": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
+    "agentmem_gemv_q8u8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
@@ -650,8 +762,10 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
         return _lib
 
 
-Q8_ROUTES = ("bf16", "i16")
-q8_route = "bf16"  # how int8 weights multiply few rows: widened to bf16, or int16 rows on VNNI (`choose_q8`)
+Q8_ROUTES = ("bf16", "i16", "u8")
+# how int8 weights multiply few rows: widened to bf16, or the rows quantized to int16 or int8
+# on VNNI (`choose_q8`); a projection's GEMV layout follows the route when it is built
+q8_route = "bf16"
 
 
 def vnni() -> bool:
@@ -660,17 +774,24 @@ def vnni() -> bool:
 
 def choose_q8(cache_dir: Path | str) -> str:
     """How the int8 GEMV multiplies, for `q8_route`: "bf16" (the weights widened to bf16 in
-    registers, `vdpbf16ps`) or "i16" (the input rows quantized to int16, `vpdpwssd`; needs
-    AVX512-VNNI). AGENTMEM_GEMV_Q8 = auto (the default: the faster of the two on one-row
-    products over cold weights, timed once per machine and remembered under `cache_dir`) | bf16
-    | i16. On a 2-core Xeon VM (avx512_bf16, no AMX) a model's 120 int8 products took 4.5 ms
-    with i16 against 6.3-6.8 widened (one row), 10.3 against 16.3-17.3 (eight rows): widening
-    costs five instructions per 32 weights, sign-extending to int16 one. The int16 rows keep
-    14 bits per row's largest value (more than bf16's 8 for all but the smallest entries)."""
+    registers, `vdpbf16ps`), "i16" (the input rows quantized to int16, `vpdpwssd`) or "u8"
+    (the rows quantized to int8 in blocks of U8_BLOCK inputs, `vpdpbusd`); the last two need
+    AVX512-VNNI. AGENTMEM_GEMV_Q8 = auto (the default: the fastest over cold weights, one-row
+    and eight-row products timed together, once per machine and remembered under `cache_dir`)
+    | bf16 | i16 | u8.
+
+    On a 2-core Xeon VM (avx512_bf16, no AMX) a model's 120 int8 products took, at one row,
+    6.3-6.8 ms widened, 3.7-4.5 as i16 and 2.9-3.7 as u8; at eight rows 16.3-17.3, 5.8-6.0
+    and 4.6-5.2: widening costs five instructions per 32 weights, sign-extending to int16 one,
+    and `vpdpbusd` makes twice the products of `vpdpwssd` on the one port both run on. The
+    int16 rows keep 14 bits per row's largest value; the int8 ones 8 bits per block's, which
+    cost SmolLM2 +0.5% decode perplexity against i16 (8.491 against 8.452, teacher-forced one
+    token a step; bf16 weights 8.486), and one scale per whole row +3% (so: blocks).
+    `bench engine` measures the route it runs (`decode_perplexity`)."""
     global q8_route
     mode = os.environ.get("AGENTMEM_GEMV_Q8", "auto")
     if mode not in ("auto", *Q8_ROUTES):
-        raise ValueError(f"AGENTMEM_GEMV_Q8 must be auto, bf16 or i16, got {mode!r}")
+        raise ValueError(f"AGENTMEM_GEMV_Q8 must be auto, bf16, i16 or u8, got {mode!r}")
     if _lib is None or not vnni():
         q8_route = "bf16"
         return q8_route
@@ -683,11 +804,15 @@ def choose_q8(cache_dir: Path | str) -> str:
         g = torch.Generator().manual_seed(0)
         n, k = 3072, 576
         copies = 48  # 85 MB of int8 weights: more than a last-level cache, as a decode streams them
-        qs = [pack(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)) for _ in range(copies)]
+        q = [torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) for _ in range(copies)]
         scale = torch.full((n,), 1e-3)
-        x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-        times = {r: best_seconds(lambda r=r: [gemv(_lib, q, x, scale=scale, i16=r == "i16") for q in qs], 4, copies)
-                 for r in Q8_ROUTES}
+        rows = {m: torch.randn(m, k, generator=g).to(torch.bfloat16) for m in (1, 8)}
+        times = {}
+        for r in Q8_ROUTES:
+            packed = [pack_u8(w) if r == "u8" else pack(w) for w in q]
+            times[r] = sum(best_seconds(lambda x=x, r=r, packed=packed: [
+                gemv(_lib, p, x, scale=scale, i16=r == "i16") for p in packed], 4, copies) for x in rows.values())
+            del packed
         return {"route": min(times, key=times.get), "us": {r: round(t * 1e6, 1) for r, t in times.items()}}
 
     q8_route = remembered(cache_dir, "gemv-choice.json", key, measure)["route"]
@@ -721,14 +846,33 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def pack_u8(q: torch.Tensor) -> torch.Tensor:
+    """The u8 route's layout of int8 weights q [N, K] (`agentmem_gemv_q8u8`): q + 128 as uint8,
+    [N/16, K/4, 16, 4] (a 32-bit lane holds one output's four inputs)."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    return u.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def fits_u8(w: torch.Tensor) -> bool:
+    """Whether the u8 route takes a weight of this shape (`fits`, and in a multiple of its
+    quantization block)."""
+    return fits(w) and w.shape[1] % U8_BLOCK == 0
+
+
+U8_BLOCK = 64  # inputs per scale of the u8 route's int8 rows (the C source's U8_BLOCK)
+
+
 def gemv(lib: ctypes.CDLL, wp: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, scale: torch.Tensor | None = None, i16: bool = False) -> torch.Tensor:
     """x [M, in] (bf16) @ w.T (+ bias) -> [M, out] in `out_dtype` (bf16 or fp32), for `wp` =
-    pack(w) of a bf16 weight, or of int8 weights q with `scale` (fp32 [out]): w = q * scale[:, None]."""
-    n, k = wp.shape[0] * 16, wp.shape[1] * 2
+    pack(w) of a bf16 weight, or of int8 weights q with `scale` (fp32 [out]): w = q * scale[:, None]
+    (`wp` = pack(q), or pack_u8(q) for the u8 route: the input rows quantized to int8)."""
+    u8 = wp.dtype == torch.uint8
+    n, k = wp.shape[0] * 16, wp.shape[1] * (4 if u8 else 2)
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
-    if (scale is None) != (wp.dtype == torch.bfloat16):
+    if (scale is None) != (wp.dtype == torch.bfloat16) or (u8 and k % U8_BLOCK):
         raise ValueError(f"gemv: a {wp.dtype} weight {'takes no' if scale is not None else 'needs a'} scale")
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -736,7 +880,8 @@ def gemv(lib: ctypes.CDLL, wp: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
     y = torch.empty(x.shape[0], n, dtype=out_dtype)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    fn = lib.agentmem_gemv_q8i16 if i16 and scale is not None else lib.agentmem_gemv
+    fn = (lib.agentmem_gemv_q8u8 if u8 else lib.agentmem_gemv_q8i16 if i16 and scale is not None
+          else lib.agentmem_gemv)
     fn(wp.data_ptr(), None if scale is None else scale.data_ptr(), x.data_ptr(), x.stride(0),
        y.data_ptr(), None if bias is None else bias.data_ptr(), x.shape[0], n, k,
        int(out_dtype == torch.float32), torch.get_num_threads())
