@@ -73,6 +73,7 @@ class Proj:
         self.max_rows = transposed_max_rows
         self.w: torch.Tensor | None = None
         self.w_gemv: torch.Tensor | None = None  # the GEMV kernel's layout (cpu_gemv.pack)
+        self.q8_route = "bf16"  # int8: how the GEMV multiplies this weight (cpu_gemv.q8_route when built)
         self._prefill_w: torch.Tensor | None = None  # int8 with the kernels: the bf16 weight for many rows
         self.w_t: torch.Tensor | None = None
         self.packed = None
@@ -90,8 +91,11 @@ class Proj:
             self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
             self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             if cpu_gemv.loaded() is not None and cpu_gemv.fits(w):  # few rows: the int8 kernel
-                # in the layout of the route chosen for this machine (the u8 route's for it)
-                u8 = cpu_gemv.q8_route == "u8" and cpu_gemv.fits_u8(w)
+                # the route chosen for this machine, kept: the layout is built for it
+                self.q8_route = cpu_gemv.q8_route
+                if self.q8_route == "u8" and not cpu_gemv.fits_u8(w):
+                    self.q8_route = "i16" if cpu_gemv.vnni() else "bf16"
+                u8 = self.q8_route == "u8"
                 self.w_gemv = cpu_gemv.pack_u8(self.packed) if u8 else cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
             self.packed, self.scales_zeros = _int4_pack(w)
@@ -123,7 +127,7 @@ class Proj:
         if self.fmt == "int8":
             if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16
                     and (lib := cpu_gemv.loaded())):
-                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, i16=cpu_gemv.q8_route == "i16")
+                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, i16=self.q8_route == "i16")
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
                 # many rows (prefill): the dequantized weight in bf16, oneDNN-packed once at the
                 # first such call and kept (512 rows of the widest projection: 4.2 ms so, 4.6
