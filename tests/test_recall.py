@@ -283,6 +283,15 @@ def test_query_terms_and_people():
     pq = parse_query("What did Tom's sister buy last week?", ["Tom", "Priya"], datetime(2023, 8, 2, tzinfo=UTC))
     assert pq.people == ["Tom"] and "tom" not in pq.terms and pq.window is not None
     assert parse_query("When did Priya move?", ["Priya"]).asks_when
+    # a speaker known by a full name is named by the first name alone, unless two share it
+    pq = parse_query("What did Caroline's sister paint?", ["Caroline Smith", "Mel Jones"])
+    assert pq.people == ["Caroline Smith"] and "caroline" not in pq.terms
+    assert pq.dense_text == "What did someone's sister paint?"
+    pq = parse_query("What did Caroline paint?", ["Caroline Smith", "Caroline Jones"])
+    assert pq.people == [] and "caroline" in pq.terms
+    assert parse_query("What did Caroline Jones paint?", ["Caroline Smith", "Caroline Jones"]).people == [
+        "Caroline Jones"]
+    assert parse_query("What did Smith paint?", ["Caroline Smith"]).people == []  # a surname alone is no one
 
 
 # (question, reference 'now', expected since, expected until) -- `now` is a Wednesday

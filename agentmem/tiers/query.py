@@ -87,11 +87,31 @@ def parse_query(text: str, speakers: list[str] | None = None, now: datetime | No
     """Read `text` against this user's known speakers and the conversation's own 'now'
     (the newest message time), so that "last week" means the week before that."""
     lowered = {w for w in words(text)} | {w[:-2] for w in words(text) if w.endswith("'s")}
-    people = [s for s in speakers or [] if s and all(p in lowered for p in words(s))]
-    drop = {p for s in people for p in words(s)}
+    people, said = named_speakers(lowered, speakers or [])
+    drop = {p for s in said for p in words(s)}
     window = parse_time(text, now) if now is not None else None
     return ParsedQuery(text, content_terms(text, drop), people, window, bool(_WHEN.search(text)),
-                       mask_names(text, people), parse_anchor(text) if window is None else None)
+                       mask_names(text, said), parse_anchor(text) if window is None else None)
+
+
+def named_speakers(lowered: set[str], speakers: list[str]) -> tuple[list[str], list[str]]:
+    """(the speakers a question names, the names as it says them): a speaker all of whose
+    name's words it holds, or whose first name it holds when no other speaker has that first
+    name ("Caroline" for the speaker "Caroline Smith", not when "Caroline Jones" speaks too)."""
+    first: dict[str, int] = {}
+    for s in speakers:
+        if ws := words(s):
+            first[ws[0]] = first.get(ws[0], 0) + 1
+    people, said = [], []
+    for s in speakers:
+        ws = words(s)
+        if ws and all(p in lowered for p in ws):
+            people.append(s)
+            said.append(s)
+        elif len(ws) > 1 and ws[0] in lowered and first[ws[0]] == 1:
+            people.append(s)
+            said.append(s.split()[0])
+    return people, said
 
 
 def mask_names(text: str, names: list[str]) -> str:
