@@ -224,6 +224,22 @@ def test_transcript_prefixes_make_speakers(store):
     assert [m.name for m in named] == ["Priya", "Priya"]
 
 
+def test_message_times_as_imports_write_them(store):
+    """ISO-8601, unix seconds, or a date with its month in words and its year (as conversation
+    datasets write session dates); anything ambiguous is a clear error, never a guess."""
+    sid = store.open_session("default", "alice").id
+    got = store.add_messages("default", "alice", sid, [
+        {"role": "user", "content": "a", "created_at": "1:56 pm on 8 May, 2023"},
+        {"role": "user", "content": "b", "created_at": 1683554160},
+        {"role": "user", "content": "c", "created_at": "2023-05-08T15:56:00+02:00"},
+        {"role": "user", "content": "d", "event_time": "May 8th 2023, 13:56"}])
+    want = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    assert [m.time for m in got] == [want] * 4
+    for bad in ("03/04/2023", "8 May", "yesterday", True, 1e30, ["2023"]):
+        with pytest.raises(InvalidInput, match="created_at"):
+            store.add_messages("default", "alice", sid, [{"role": "user", "content": "x", "created_at": bad}])
+
+
 def test_time_in_the_question_picks_the_window(store):
     ids = _conversation(store, sessions=[
         [("Priya", "I cooked a huge pot of lentil curry tonight", 0), ("Tom", "Yum", 0)],

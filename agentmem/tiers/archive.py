@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import create_engine, delete, event, func, select, text
@@ -47,6 +47,7 @@ from .schema import (
     utcnow,
 )
 from .sizes import KIND_CHARS, LABEL_CHARS, MAX_BLOCK_LIMIT, NAME_CHARS, SESSION_ID_CHARS, USER_ID_CHARS
+from .timeparse import parse_timestamp
 
 ROLES = ("system", "user", "assistant", "tool")
 MEMORY_STATUSES = ("active", "superseded")
@@ -715,14 +716,25 @@ def _private_file(db: str | None) -> None:
 
 
 def _as_time(value, what: str) -> datetime | None:
+    """A datetime, an ISO-8601 string, unix seconds, or a date with its month in words and its
+    year ("1:56 pm on 8 May, 2023", as conversation datasets write them); naive times are UTC."""
     if value is None or isinstance(value, datetime):
         return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, UTC)
+        except (OverflowError, OSError, ValueError):
+            raise InvalidInput(f"{what} is out of range as unix seconds: {value!r}") from None
     if isinstance(value, str):
         try:
             return datetime.fromisoformat(value)
         except ValueError:
-            raise InvalidInput(f"{what} is not an ISO-8601 time: {value!r}") from None
-    raise InvalidInput(f"{what} must be a datetime or ISO-8601 string")
+            pass
+        if len(value) <= 100 and (got := parse_timestamp(value)) is not None:
+            return got
+        raise InvalidInput(f"{what} is not a time (ISO-8601, unix seconds, or a date with its month in words and "
+                           f"its year): {value!r}")
+    raise InvalidInput(f"{what} must be a datetime, an ISO-8601 string or unix seconds")
 
 
 def _importance(value) -> float:

@@ -130,6 +130,25 @@ def _explicit(phrase: str, now: datetime) -> datetime | None:
     return None if got is None else got.replace(tzinfo=UTC)
 
 
+_NAMED_MONTH = re.compile(rf"\b(?:{_MONTH_RE})\.?\b", re.I)
+_YEAR = re.compile(r"\b\d{4}\b")
+
+
+def parse_timestamp(text: str) -> datetime | None:
+    """A message time as imports write it when it is not ISO-8601: a date with its month in
+    words and its year ("1:56 pm on 8 May, 2023", "May 8th 2023, 10:00"), in UTC when it names
+    no zone. None for anything else: "03/04/2023" could be March or April, and a date without
+    its year would be guessed."""
+    if not (_NAMED_MONTH.search(text) and _YEAR.search(text)):
+        return None
+    with _DATEPARSER:
+        import dateparser
+
+        got = dateparser.parse(text, languages=["en"], settings={
+            "REQUIRE_PARTS": ["day", "month", "year"], "RETURN_AS_TIMEZONE_AWARE": True, "TIMEZONE": "UTC"})
+    return got
+
+
 def warm_up() -> None:
     """Import dateparser and parse one date in a background thread, once per process: its
     first parse costs ~0.2 s (seconds on a loaded machine), which would otherwise land on the
