@@ -30,10 +30,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def fused_args(self) -> tuple[torch.Tensor, float]:
-        """(weight, eps), for a product that normalises its own input rows (Proj.fused)."""
-        return self.weight, self.eps
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token

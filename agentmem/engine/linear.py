@@ -129,13 +129,11 @@ class Proj:
                 and x.shape[0] <= cpu_gemv.MAX_ROWS and self.w_gemv is not None
                 and self.w_gemv.dtype == torch.uint8 and not torch.compiler.is_compiling())
 
-    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None, swiglu: bool = False,
-              norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """[residual +] self(x), of silu(gate) * up of x = [gate | up] with `swiglu`, of
-        RMSNorm(x) by (weight, eps) with `norm`, in one C call (`cpu_gemv.gemv_u8_fused`;
-        `fusable` must hold)."""
+    def fused(self, x: torch.Tensor, residual: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """residual + self(x) (or + self(silu(gate) * up) of x = [gate | up]), in one C call
+        (`cpu_gemv.gemv_u8_fused`; `fusable` must hold)."""
         return cpu_gemv.gemv_u8_fused(cpu_gemv.loaded(), self.w_gemv, self.scale, x.contiguous(),
-                                      None if residual is None else residual.contiguous(), swiglu, norm)
+                                      residual.contiguous(), swiglu)
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "int8":

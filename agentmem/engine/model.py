@@ -107,10 +107,7 @@ class Block(nn.Module):
         """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]
         (q and k normalised per head first where the family has q/k norms)."""
         a = self.args
-        if self.qkv_p.fusable(h) and h.dtype == self.input_norm.weight.dtype:
-            x = self.qkv_p.fused(h, norm=self.input_norm.fused_args())  # decode rows: the norm in the product
-        else:
-            x = self.qkv_p(self.input_norm(h))
+        x = self.qkv_p(self.input_norm(h))
         x = x.view(h.shape[0], a.n_heads + 2 * a.n_kv_heads, a.head_dim)
         if self.q_norm is None:
             return x
@@ -129,11 +126,7 @@ class Block(nn.Module):
             # decode rows on the u8 route: the residual adds and SwiGLU inside the products,
             # the same bf16 roundings as below, five torch calls fewer a layer
             h = self.o_p.fused(a, h)
-            if self.gate_up_p.fusable(h) and self.post_norm.weight.dtype == torch.bfloat16:
-                gate_up = self.gate_up_p.fused(h, norm=self.post_norm.fused_args())
-            else:
-                gate_up = self.gate_up_p(self.post_norm(h))
-            return self.down_p.fused(gate_up, h, swiglu=True)
+            return self.down_p.fused(self.gate_up_p(self.post_norm(h)), h, swiglu=True)
         h = h + self.o_p(a)
         gate, up = self.gate_up_p(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down_p(F.silu(gate) * up)

@@ -406,29 +406,22 @@ static void swiglu_bf16(const uint16_t *gu, int64_t K, uint16_t *out) {
     }
 }
 
-void agentmem_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t M,
-                            int64_t D, float eps);
-
-/* `agentmem_gemv` for int8 weights packed by `pack_u8`, with three fusions of a decode step:
-   `act` 1 reads each input row as SwiGLU's halves (silu(gate) * up of a [M, 2K] row), `norm`
-   (bf16 [K], or NULL) reads it RMS-normalised by that weight (`agentmem_rms_norm_bf16`), and
+/* `agentmem_gemv` for int8 weights packed by `pack_u8`, with two fusions of a decode step:
+   `act` 1 reads each input row as SwiGLU's halves (silu(gate) * up of a [M, 2K] row) and
    `res` (bf16 [M, N], or NULL) is added to the bf16 result (the residual stream; bf16 out). */
 __attribute__((target("avx512vnni")))
 void agentmem_gemv_q8u8_ex(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
                            const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads,
-                           const uint16_t *res, int act, const uint16_t *norm, float eps) {
+                           const uint16_t *res, int act) {
     const int64_t nb = K / U8_BLOCK;
     int8_t stack[M * K <= I8_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
     int8_t *xq = M * K <= I8_STACK ? stack : (int8_t *)malloc((size_t)(M * K));
     float xs[M * nb > 0 ? M * nb : 1], corr[M > 0 ? M : 1];
-    uint16_t *row = act || norm ? (uint16_t *)malloc((size_t)K * sizeof(uint16_t)) : 0;
+    uint16_t *row = act ? (uint16_t *)malloc((size_t)K * sizeof(uint16_t)) : 0;
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xr = x + m * ldx;
         if (act) {
             swiglu_bf16(xr, K, row);
-            xr = row;
-        } else if (norm) {
-            agentmem_rms_norm_bf16(xr, K, norm, row, 1, K, eps);
             xr = row;
         }
         quantize_i8(xr, K, xq + m * K, xs + m * nb, corr + m);
@@ -452,7 +445,7 @@ void agentmem_gemv_q8u8_ex(const uint8_t *w, const float *scale, const uint16_t 
 __attribute__((target("avx512vnni")))
 void agentmem_gemv_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
                         const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    agentmem_gemv_q8u8_ex(w, scale, x, ldx, y, b, M, N, K, f32, threads, 0, 0, 0, 0.0f);
+    agentmem_gemv_q8u8_ex(w, scale, x, ldx, y, b, M, N, K, f32, threads, 0, 0);
 }
 
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
@@ -800,7 +793,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_gemv": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_gemv_q8i16": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_gemv_q8u8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
-    "agentmem_gemv_q8u8_ex": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32, _P, _I32, _P, ctypes.c_float],
+    "agentmem_gemv_q8u8_ex": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32, _P, _I32],
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
@@ -992,28 +985,20 @@ def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.
 
 
 def gemv_u8_fused(lib: ctypes.CDLL, wu: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-                  residual: torch.Tensor | None = None, swiglu: bool = False,
-                  norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """x @ (q * scale[:, None]).T in bf16 for `wu` = pack_u8(q), with a decode step's neighbours
-    of the product fused in, each rounded to bf16 as the separate ops round: `residual` (bf16
-    [M, out]) added in the store; `swiglu`: x [M, 2 * in] is a fused gate/up output and the
-    product reads silu(gate) * up; `norm` (weight bf16 [in], eps): the product reads RMSNorm(x).
-    x, residual bf16 and contiguous."""
+                  residual: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """residual + x @ (q * scale[:, None]).T in bf16, for `wu` = pack_u8(q): the residual add of
+    a decode step in the product's store. With `swiglu`, x [M, 2 * in] holds a fused gate/up
+    output and the product reads silu(gate) * up (each rounded to bf16, as `Block.finish`
+    rounds them): three torch ops and a call fewer per product. x, residual bf16 and contiguous."""
     n, k = wu.shape[0] * 16, wu.shape[1] * 4
     m = x.shape[0]
-    width = k * (2 if swiglu else 1)
-    if (x.dtype != torch.bfloat16 or x.shape[-1] != width or not x.is_contiguous() or (swiglu and norm)
-            or (residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != (m, n)
-                                          or not residual.is_contiguous()))
-            or (norm is not None and (norm[0].dtype != torch.bfloat16 or norm[0].shape != (k,)))):
-        raise ValueError(f"gemv_u8_fused: x bf16 [M, {width}], residual bf16 [M, {n}], norm weight bf16 [{k}], "
-                         f"contiguous (swiglu or norm, not both); got x {x.dtype} {tuple(x.shape)}, residual "
-                         f"{None if residual is None else (residual.dtype, tuple(residual.shape))}")
+    if (x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16 or x.shape[-1] != k * (2 if swiglu else 1)
+            or residual.shape != (m, n) or not x.is_contiguous() or not residual.is_contiguous()):
+        raise ValueError(f"gemv_u8_fused: x bf16 [M, {k * (2 if swiglu else 1)}] and residual bf16 [M, {n}], "
+                         f"contiguous; got {x.dtype} {tuple(x.shape)} and {residual.dtype} {tuple(residual.shape)}")
     y = torch.empty(m, n, dtype=torch.bfloat16)
     lib.agentmem_gemv_q8u8_ex(wu.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), None, m, n,
-                              k, 0, torch.get_num_threads(), None if residual is None else residual.data_ptr(),
-                              int(swiglu), None if norm is None else norm[0].data_ptr(),
-                              0.0 if norm is None else norm[1])
+                              k, 0, torch.get_num_threads(), residual.data_ptr(), int(swiglu))
     return y
 
 
