@@ -208,51 +208,6 @@ def test_int8_gemv_on_int8_rows_stays_within_their_quantization(lib, rows, out, 
         cpu_gemv.gemv_int8(lib, cpu_gemv.pack_u8(q[:, :inp - 32]), scale, x[:, :inp - 32])
 
 
-@needs_vnni
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
-def test_fused_residual_and_swiglu_round_as_the_torch_ops_do(lib, rows):
-    """A decode step's residual add and SwiGLU inside the u8 product give the bits of the
-    separate bf16 ops (silu rounded, times up rounded, the product rounded, plus the residual
-    rounded), and an engine block takes that path for decode rows only."""
-    g = torch.Generator().manual_seed(rows)
-    q = torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8)
-    scale = torch.rand(96, generator=g) * 1e-2
-    wu = cpu_gemv.pack_u8(q)
-    x = (torch.randn(rows, 256, generator=g) * 3).bfloat16()
-    h = torch.randn(rows, 96, generator=g).bfloat16()
-    gate, up = x.chunk(2, dim=-1)
-    ref = h + cpu_gemv.gemv(lib, wu, (torch.nn.functional.silu(gate) * up).contiguous(), scale=scale)
-    assert torch.equal(cpu_gemv.gemv_u8_fused(lib, wu, scale, x, h, swiglu=True), ref)
-    ref = h + cpu_gemv.gemv(lib, wu, gate.contiguous(), scale=scale)
-    assert torch.equal(cpu_gemv.gemv_u8_fused(lib, wu, scale, gate.contiguous(), h), ref)
-    with pytest.raises(ValueError, match="residual"):
-        cpu_gemv.gemv_u8_fused(lib, wu, scale, gate.contiguous(), h[:, :64].contiguous())
-
-
-@needs_vnni
-def test_a_block_fuses_its_decode_rows_on_the_u8_route(lib, monkeypatch):
-    from agentmem.engine.model import Block, ModelArgs
-
-    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
-    args = ModelArgs(vocab_size=64, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=256, head_dim=32)
-    torch.manual_seed(0)
-    block = Block(args, 0).to(torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    with torch.no_grad():
-        block.fuse()
-    block.pack("int8")
-    h, a = torch.randn(3, 128).bfloat16(), torch.randn(3, 4, 32).bfloat16()
-    calls = []
-    real = cpu_gemv.gemv_u8_fused
-    monkeypatch.setattr(cpu_gemv, "gemv_u8_fused",
-                        lambda *x, **k: calls.append(x[5] if len(x) > 5 else k.get("swiglu", False)) or real(*x, **k))
-    fused = block.finish(h, a)
-    assert calls == [False, True]  # o with the residual, down with SwiGLU and the residual
-    monkeypatch.setattr(Proj, "fusable", lambda self, x: False)
-    assert torch.equal(block.finish(h, a), fused)  # the same bits as the separate ops
-
-
 def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     w = torch.randn(256, 128).bfloat16()
     p = Proj(w, fmt="int8")

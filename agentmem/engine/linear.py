@@ -123,18 +123,6 @@ class Proj:
             return torch.ops.agentmem.proj(x, self.key, self.out_features)
         return self.multiply(x)
 
-    def fusable(self, x: torch.Tensor) -> bool:
-        """Whether `fused` takes these rows: int8 on the u8 route, no bias, few bf16 rows, eager."""
-        return (self.q8_route == "u8" and self.bias is None and x.dtype == torch.bfloat16
-                and x.shape[0] <= cpu_gemv.MAX_ROWS and self.w_gemv is not None
-                and self.w_gemv.dtype == torch.uint8 and not torch.compiler.is_compiling())
-
-    def fused(self, x: torch.Tensor, residual: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        """residual + self(x) (or + self(silu(gate) * up) of x = [gate | up]), in one C call
-        (`cpu_gemv.gemv_u8_fused`; `fusable` must hold)."""
-        return cpu_gemv.gemv_u8_fused(cpu_gemv.loaded(), self.w_gemv, self.scale, x.contiguous(),
-                                      residual.contiguous(), swiglu)
-
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "int8":
             if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16

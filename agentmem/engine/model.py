@@ -121,13 +121,7 @@ class Block(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
-        a = attn_out.reshape(attn_out.shape[0], -1)
-        if self.o_p.fusable(a) and self.down_p.fusable(a) and h.dtype == torch.bfloat16:
-            # decode rows on the u8 route: the residual adds and SwiGLU inside the products,
-            # the same bf16 roundings as below, five torch calls fewer a layer
-            h = self.o_p.fused(a, h)
-            return self.down_p.fused(self.gate_up_p(self.post_norm(h)), h, swiglu=True)
-        h = h + self.o_p(a)
+        h = h + self.o_p(attn_out.reshape(attn_out.shape[0], -1))
         gate, up = self.gate_up_p(self.post_norm(h)).chunk(2, dim=-1)
         return h + self.down_p(F.silu(gate) * up)
 

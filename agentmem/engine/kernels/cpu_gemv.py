@@ -79,20 +79,6 @@ static inline void store(void *y, int64_t off, __m512 v, const float *b, int f32
     for (int j = 0; j < 16; j++) ((uint16_t *)y)[off + j] = to_bf16(t[j]);
 }
 
-/* 16 sums rounded to bf16, added to the residual r[0..15] (bf16) and rounded again: what
-   `h + proj(x)` computes in bf16, in the product's store */
-static inline void store_res(void *y, int64_t off, __m512 v, const uint16_t *r) {
-    float t[16];
-    _mm512_storeu_ps(t, v);
-    for (int j = 0; j < 16; j++) {
-        uint32_t u = (uint32_t)to_bf16(t[j]) << 16, ur = (uint32_t)r[off + j] << 16;
-        float a, c;
-        memcpy(&a, &u, 4);
-        memcpy(&c, &ur, 4);
-        ((uint16_t *)y)[off + j] = to_bf16(a + c);
-    }
-}
-
 /* CALL(mb) for the input rows left (1-8), with mb a constant in each case: the tiles unroll */
 #define BY_ROWS(left, CALL) switch ((left) < 8 ? (left) : 8) { \
     case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
@@ -356,7 +342,7 @@ __attribute__((target("avx512vnni")))
 static inline __attribute__((always_inline)) void tile_u8(const uint8_t *wg, int64_t K, const int8_t *x,
                                                           int64_t ldx, const int mb, void *y, int64_t N, int64_t n,
                                                           const float *s, const float *xs, const float *corr,
-                                                          const float *b, int f32, const uint16_t *res) {
+                                                          const float *b, int f32) {
     const int64_t nb = K / U8_BLOCK;
     __m512 f[8];
     for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
@@ -376,15 +362,8 @@ static inline __attribute__((always_inline)) void tile_u8(const uint8_t *wg, int
             f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / U8_BLOCK]), f[i]);
     }
     const __m512 sn = _mm512_loadu_ps(s + n);
-    for (int i = 0; i < mb; i++) {
-        __m512 v = _mm512_mul_ps(_mm512_sub_ps(f[i], _mm512_set1_ps(corr[i])), sn);
-        if (res) {
-            if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + n));
-            store_res(y, i * N + n, v, res);
-        } else {
-            store(y, i * N + n, v, b ? b + n : 0, f32);
-        }
-    }
+    for (int i = 0; i < mb; i++)
+        store(y, i * N + n, _mm512_mul_ps(_mm512_sub_ps(f[i], _mm512_set1_ps(corr[i])), sn), b ? b + n : 0, f32);
 }
 
 #define I8_STACK 32768  /* int8 inputs quantized on the stack; more are malloc'd */
@@ -392,60 +371,26 @@ static inline __attribute__((always_inline)) void tile_u8(const uint8_t *wg, int
 /* `agentmem_gemv` for int8 weights packed by `pack_u8` (K a multiple of U8_BLOCK): the bf16
    input rows are quantized to int8 here, then every 32-output block runs them 8 at a time,
    one 16-output group after the other. */
-/* SwiGLU's product of a row, as the bf16 path computes it: silu(g) rounded to bf16, times u,
-   rounded again; g and u bf16 [K] side by side in one row (the fused gate/up output) */
-static void swiglu_bf16(const uint16_t *gu, int64_t K, uint16_t *out) {
-    for (int64_t k = 0; k < K; k++) {
-        uint32_t ug = (uint32_t)gu[k] << 16, uu = (uint32_t)gu[K + k] << 16, us;
-        float g, u, sl;
-        memcpy(&g, &ug, 4);
-        memcpy(&u, &uu, 4);
-        us = (uint32_t)to_bf16(g / (1.0f + expf(-g))) << 16;
-        memcpy(&sl, &us, 4);
-        out[k] = to_bf16(sl * u);
-    }
-}
-
-/* `agentmem_gemv` for int8 weights packed by `pack_u8`, with two fusions of a decode step:
-   `act` 1 reads each input row as SwiGLU's halves (silu(gate) * up of a [M, 2K] row) and
-   `res` (bf16 [M, N], or NULL) is added to the bf16 result (the residual stream; bf16 out). */
 __attribute__((target("avx512vnni")))
-void agentmem_gemv_q8u8_ex(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
-                           const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads,
-                           const uint16_t *res, int act) {
+void agentmem_gemv_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
+                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
     const int64_t nb = K / U8_BLOCK;
     int8_t stack[M * K <= I8_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
     int8_t *xq = M * K <= I8_STACK ? stack : (int8_t *)malloc((size_t)(M * K));
     float xs[M * nb > 0 ? M * nb : 1], corr[M > 0 ? M : 1];
-    uint16_t *row = act ? (uint16_t *)malloc((size_t)K * sizeof(uint16_t)) : 0;
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * ldx;
-        if (act) {
-            swiglu_bf16(xr, K, row);
-            xr = row;
-        }
-        quantize_i8(xr, K, xq + m * K, xs + m * nb, corr + m);
-    }
-    free(row);
+    for (int64_t m = 0; m < M; m++) quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, corr + m);
     const int64_t groups = N / 16;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
             const int64_t left = M - m0, n = g * 16;
             char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
-            #define TILE(mb) tile_u8(w + g * 16 * K, K, xq + m0 * K, K, mb, ym, N, n, scale, xs + m0 * nb, corr + m0, b, \
-                                     f32, res ? res + m0 * N : 0)
+            #define TILE(mb) tile_u8(w + g * 16 * K, K, xq + m0 * K, K, mb, ym, N, n, scale, xs + m0 * nb, corr + m0, b, f32)
             BY_ROWS(left, TILE)
             #undef TILE
         }
     }
     if (xq != stack) free(xq);
-}
-
-__attribute__((target("avx512vnni")))
-void agentmem_gemv_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, void *y,
-                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
-    agentmem_gemv_q8u8_ex(w, scale, x, ldx, y, b, M, N, K, f32, threads, 0, 0);
 }
 
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
@@ -793,7 +738,6 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_gemv": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_gemv_q8i16": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
     "agentmem_gemv_q8u8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
-    "agentmem_gemv_q8u8_ex": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32, _P, _I32],
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
@@ -982,24 +926,6 @@ def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.
     `i16` (AVX512-VNNI, `vnni()`), the input rows are quantized to int16 and multiplied on
     vpdpwssd (`agentmem_gemv_q8i16`) instead of the weights being widened to bf16."""
     return gemv(lib, qp, x, bias, out_dtype, scale=scale, i16=i16)
-
-
-def gemv_u8_fused(lib: ctypes.CDLL, wu: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-                  residual: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    """residual + x @ (q * scale[:, None]).T in bf16, for `wu` = pack_u8(q): the residual add of
-    a decode step in the product's store. With `swiglu`, x [M, 2 * in] holds a fused gate/up
-    output and the product reads silu(gate) * up (each rounded to bf16, as `Block.finish`
-    rounds them): three torch ops and a call fewer per product. x, residual bf16 and contiguous."""
-    n, k = wu.shape[0] * 16, wu.shape[1] * 4
-    m = x.shape[0]
-    if (x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16 or x.shape[-1] != k * (2 if swiglu else 1)
-            or residual.shape != (m, n) or not x.is_contiguous() or not residual.is_contiguous()):
-        raise ValueError(f"gemv_u8_fused: x bf16 [M, {k * (2 if swiglu else 1)}] and residual bf16 [M, {n}], "
-                         f"contiguous; got {x.dtype} {tuple(x.shape)} and {residual.dtype} {tuple(residual.shape)}")
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    lib.agentmem_gemv_q8u8_ex(wu.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(), None, m, n,
-                              k, 0, torch.get_num_threads(), residual.data_ptr(), int(swiglu))
-    return y
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
