@@ -121,6 +121,20 @@ def test_int8_gemv_matches_the_dequantized_product(lib, rows, out, inp):
         cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x.float())
 
 
+def _int8_case(rows: int, out: int, inp: int):
+    """Seeded int8 weights (q, per-output scale), bf16 input rows with an outlier channel (as
+    real activations have), a bias, the dequantized weight and the exact product."""
+    g = torch.Generator().manual_seed(rows + out)
+    w = torch.randn(out, inp, generator=g)
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    x[0, 3] = 40.0
+    b = torch.randn(out, generator=g)
+    deq = q.float() * scale[:, None]
+    return q, scale, x, b, deq, x.float() @ deq.t() + b
+
+
 needs_vnni = pytest.mark.skipif(not cpu_gemv.vnni(), reason="needs AVX512-VNNI")
 
 
@@ -130,15 +144,7 @@ def test_int8_gemv_on_int16_rows_stays_within_their_quantization(lib, rows, out,
     """The VNNI route quantizes each input row to int16 (14 bits of its largest value): within
     that rounding of the exact product, and the int32 sums do not overflow past one chunk (4,100
     inputs of the largest values against the largest weights)."""
-    g = torch.Generator().manual_seed(rows + out)
-    w = torch.randn(out, inp, generator=g)
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    x = torch.randn(rows, inp, generator=g).bfloat16()
-    x[0, 3] = 40.0  # an outlier channel, as real activations have
-    b = torch.randn(out, generator=g)
-    deq = q.float() * scale[:, None]
-    ref = x.float() @ deq.t() + b
+    q, scale, x, b, deq, ref = _int8_case(rows, out, inp)
     y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x, b, torch.float32, i16=True)
     step = x.float().abs().amax(1, keepdim=True) / 8191  # per row: the rounding of each input
     bound = 0.5 * step * deq.abs().sum(1)[None, :]  # the worst case of that rounding
@@ -185,15 +191,7 @@ def test_int8_gemv_on_int8_rows_stays_within_their_quantization(lib, rows, out, 
     within that rounding of the exact product (an outlier channel costs only its block), and a
     row's result does not depend on the rows batched with it (the same tokens alone or in a
     batch)."""
-    g = torch.Generator().manual_seed(rows + out)
-    w = torch.randn(out, inp, generator=g)
-    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    x = torch.randn(rows, inp, generator=g).bfloat16()
-    x[0, 3] = 40.0  # an outlier channel, as real activations have
-    b = torch.randn(out, generator=g)
-    deq = q.float() * scale[:, None]
-    ref = x.float() @ deq.t() + b
+    q, scale, x, b, deq, ref = _int8_case(rows, out, inp)
     wu = cpu_gemv.pack_u8(q)
     y = cpu_gemv.gemv_int8(lib, wu, scale, x, b, torch.float32)
     blocks = x.float().reshape(rows, -1, cpu_gemv.U8_BLOCK)
