@@ -131,7 +131,7 @@ def _explicit(phrase: str, now: datetime) -> datetime | None:
 
 
 _NAMED_MONTH = re.compile(rf"\b(?:{_MONTH_RE})\.?\b", re.I)
-_YEAR = re.compile(r"\b\d{4}\b")
+_ANY_YEAR = re.compile(r"\b\d{4}\b")
 
 
 def parse_timestamp(text: str) -> datetime | None:
@@ -139,7 +139,7 @@ def parse_timestamp(text: str) -> datetime | None:
     words and its year ("1:56 pm on 8 May, 2023", "May 8th 2023, 10:00"), in UTC when it names
     no zone. None for anything else: "03/04/2023" could be March or April, and a date without
     its year would be guessed."""
-    if not (_NAMED_MONTH.search(text) and _YEAR.search(text)):
+    if not (_NAMED_MONTH.search(text) and _ANY_YEAR.search(text)):
         return None
     with _DATEPARSER:
         import dateparser
