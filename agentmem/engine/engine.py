@@ -165,7 +165,14 @@ class ChatText:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Seq[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """Text of token ids, special tokens left out. A reply is decoded whole at every step
+        of every stream, so this goes to the fast tokenizer itself where HF's wrapper would add
+        nothing (no clean-up of spaces): the wrapper first checks every id in Python, ~40 us of
+        a 128-token reply's step, and eight streams decode eight replies a step."""
+        tok = self.tokenizer
+        if not getattr(tok, "clean_up_tokenization_spaces", True) and hasattr(tok, "backend_tokenizer"):
+            return tok.backend_tokenizer.decode(list(ids), skip_special_tokens=True)
+        return tok.decode(list(ids), skip_special_tokens=True)
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))

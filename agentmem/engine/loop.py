@@ -19,6 +19,7 @@ import torch
 
 from .block_manager import BlockManager
 from .compiled import CompiledDecode
+from .detokenize import ReplyText
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
 from .sampler import penalize, sample_row, top_logprobs
@@ -239,7 +240,9 @@ class EngineLoop:
             seq.matcher.consume(tok)
         if p.stop_loops and self._looped(seq, tok):
             return self._finish(seq, "repetition")
-        text = e.decode(seq.generated)
+        if seq.reply_text is None:
+            seq.reply_text, seq.head_text = ReplyText(e.decode), ReplyText(e.decode)
+        text = seq.reply_text.text(seq.generated)
         cut = _stop_cut(text, p.stop)
         if cut is not None:
             seq.text = text[:cut]
@@ -250,7 +253,7 @@ class EngineLoop:
         safe = len(text) - _holdback(text, p.stop)
         settled = seq.loops.settled() if p.stop_loops and seq.matcher is None else len(seq.generated)
         if settled < len(seq.generated):
-            head = e.decode(seq.generated[:settled])
+            head = seq.head_text.text(seq.generated[:settled])
             safe = min(safe, len(head) - _holdback(head, []))
         complete = seq.matcher is not None and self._complete(seq)
         if seq.matcher is not None and not complete and seq.complete_at[0]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .detokenize import ReplyText
 from .repetition import LoopDetector
 from .sampler import SamplingParams, copy_index
 
@@ -40,6 +41,9 @@ class Sequence:
     segments: list[dict] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # characters of `text` already sent
+    # the reply's text and its loop-settled head, decoded a tail at a time (detokenize.py)
+    reply_text: ReplyText | None = None
+    head_text: ReplyText | None = None
     matcher: object | None = None  # grammar.Matcher when params.grammar is set
     loops: LoopDetector = field(default_factory=LoopDetector)
     loop_ban: set[int] = field(default_factory=set)  # tokens of a cycle a grammar-bound reply fell into
