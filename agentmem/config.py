@@ -134,6 +134,8 @@ class Config(BaseSettings):
     redis_url: str | None = None  # e.g. redis://host:6379/0: rate limits and a chunk-KV tier shared by replicas
     redis_kv_bytes: int = 1 << 30  # the shared chunk-KV tier's budget, across all replicas
     recall_cache_mb: int = 256  # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py)
+    # dense recall ranks with this many of a user's own top principal directions taken out (0: plain cosine)
+    recall_whiten_pcs: int = Field(default=8, ge=0, le=64)
 
     def resolved_db_url(self) -> str:
         if self.db_url:

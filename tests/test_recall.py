@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pytest
 import sqlalchemy as sa
 
@@ -589,3 +590,37 @@ def test_small_talk_said_again_and_again_yields_to_a_fact_said_once(tmp_path, em
     again.delete_user("default", "alice")
     assert len(again.recall.sync("default", "alice").terms) == 0
     again.close()
+
+
+def test_dense_ranking_discounts_what_many_of_the_users_turns_share(tmp_path):
+    """A direction many turns lean along ("lol haha lol ..." in 40 of 300) no longer decides the
+    dense ranking: with the user's top principal components taken out, the turn that says
+    something about the question's content word ranks first; with plain cosine (pcs 0) the
+    40 turns that share the question's filler words rank above it."""
+    import random
+
+    from agentmem.tiers.recall import _project
+    from agentmem.tiers.soak import HashEmbedder
+
+    rng = random.Random(0)
+    letters = "bcdfghjklmnprstvz"
+    filler = ["".join(rng.choice(letters) + rng.choice("aeiou") for _ in range(3)) for _ in range(400)]
+    turns = [" ".join(["lol", "haha", "lol", *rng.sample(filler, 3)]) if i % 7 == 0 else " ".join(rng.sample(filler, 4))
+             for i in range(280)]
+    turns.insert(140, "finally bought a second hand cello")
+    rank = {}
+    for pcs in (0, 8):
+        s = MemoryStore(Config(data_dir=tmp_path / str(pcs), recall_whiten_pcs=pcs), embedder=HashEmbedder())
+        sid = s.open_session("t", "u").id
+        s.add_messages("t", "u", sid, [{"role": "user", "content": t, "created_at": T0 + timedelta(minutes=i)}
+                                       for i, t in enumerate(turns)])
+        texts = [h.text for h in s.search("t", "u", "lol haha cello", k=50, retrievers=("dense",))]
+        rank[pcs] = texts.index(turns[140]) if turns[140] in texts else len(texts)
+        s.close()
+    assert rank[8] == 0
+    assert rank[0] >= 10
+    # the projection takes the components out and leaves unit rows
+    top = np.linalg.qr(np.random.default_rng(0).normal(size=(384, 3)))[0].T.astype(np.float32)
+    x = np.random.default_rng(1).normal(size=(5, 384)).astype(np.float32)
+    p = _project(x, x.mean(axis=0), top)
+    assert np.allclose(p @ top.T, 0, atol=1e-5) and np.allclose(np.linalg.norm(p, axis=1), 1, atol=1e-5)

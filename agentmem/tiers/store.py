@@ -34,7 +34,7 @@ class MemoryStore:
         self.embed_bulk_threads = self.config.embed_bulk_threads or None  # None: every core
         url_key = hashlib.sha256(self.archive.url.encode()).hexdigest()[:16]
         self.recall = Recall(self.archive, self.embedder_instance, self.config.data_dir / "recall" / url_key,
-                             cache_bytes=self.config.recall_cache_mb << 20)
+                             cache_bytes=self.config.recall_cache_mb << 20, whiten_pcs=self.config.recall_whiten_pcs)
         self.forget_hooks: list[ForgetHook] = []
 
     def embedder_instance(self):
