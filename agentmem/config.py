@@ -134,8 +134,11 @@ class Config(BaseSettings):
     redis_url: str | None = None  # e.g. redis://host:6379/0: rate limits and a chunk-KV tier shared by replicas
     redis_kv_bytes: int = 1 << 30  # the shared chunk-KV tier's budget, across all replicas
     recall_cache_mb: int = 256  # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py)
-    # dense recall ranks with this many of a user's own top principal directions taken out (0: plain cosine)
-    recall_whiten_pcs: int = Field(default=8, ge=0, le=64)
+    # dense recall ranks with this many of a user's own top principal directions taken out (0:
+    # plain cosine, the default; 8 measured best). Off by default: it lifts `bench recall` (0.756 ->
+    # 0.785) but lowered the 135M model's answers on `bench memory` (68 -> 51 and 66 -> 53 of
+    # 144, two workloads) with the evidence in the prompt either way (docs/recall.md)
+    recall_whiten_pcs: int = Field(default=0, ge=0, le=64)
 
     def resolved_db_url(self) -> str:
         if self.db_url:
