@@ -91,7 +91,7 @@ SESSION_DECAY = 0.85  # each further hit from one session counts this much less
 # taken out (the mean and the top principal components of their own vectors: "all but the
 # top"): a chat's register and recurring small talk make every turn's vector lean the same
 # way, and cosine in that direction says "this is a turn of this chat", not "this answers".
-WHITEN_PCS = 8  # the count measured best, when it is on (Config.recall_whiten_pcs, off by default)
+# The count of components is Config.recall_whiten_pcs: 0 (off) by default, 8 measured best.
 WHITEN_MIN_VECTORS = 256  # fewer vectors than this give noisy components: plain cosine
 WHITEN_SAMPLE = 8192  # vectors the components are estimated from
 WHITEN_REFIT = 0.25  # estimated again when the vectors have changed in number by this share
