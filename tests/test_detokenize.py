@@ -61,3 +61,15 @@ def test_decoding_only_the_tail_costs_a_few_tokens_a_step():
     for i in range(len(ids)):
         assert rt.text(ids[: i + 1]) == whole(ids[: i + 1])
     assert len(seen) <= 2 * len(ids) and max(seen) <= 5  # the context and the tail, never the reply
+
+
+def test_engine_decode_gives_what_the_tokenizers_own_decode_gives(engine):
+    """Engine.decode skips HF's Python wrapper where it would add nothing: the same text,
+    special tokens left out, for ordinary text, arbitrary ids and end-of-turn ids."""
+    rng = random.Random(1)
+    special = sorted(engine.tokenizer.all_special_ids)
+    cases = [engine.encode("Hello there, 東京 👋 and   spaces.")]
+    cases += [[rng.randrange(engine.tokenizer.vocab_size) for _ in range(40)] + special for _ in range(5)]
+    for ids in cases:
+        assert engine.decode(ids) == engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert special and all(engine.tokenizer.convert_ids_to_tokens(i) not in engine.decode(special) for i in special)

@@ -14,8 +14,8 @@ interleaved, so both see the same load on a shared machine):
 - ttft_350: time to first token of a 350-token chat prompt (what a memory turn costs).
 - batch: `--streams` concurrent streams (default 8) through the scheduler, eager and compiled
   runs interleaved (`batch_decode_tok_s_by_path`; the figure is the path compile=auto keeps,
-  `batch_path`, as for one stream); decode throughput of all streams together, and KV utilisation (used / allocated KV bytes of the
-  paged pool over the run; `kv_utilization_reserved` is the same for a contiguous cache
+  `batch_path`, as for one stream); decode throughput of all streams together, and KV
+  utilisation (used / allocated KV bytes of the paged pool over the run; `kv_utilization_reserved` is the same for a contiguous cache
   that reserves prompt + max_tokens per request, the best case of pre-paging servers).
 - max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens;
   `perplexity` of fp32, the bench dtype and int8 weights on those tokens, and int8's max
