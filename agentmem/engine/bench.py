@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from .engine import DenseKV, Engine, Segment
-from .kernels import cpu_gemv
+from .kernels import cpu_avx2, cpu_gemv
 from .linear import INT4_GROUP, Proj, onednn_bf16
 from .loop import EngineLoop
 from .measured import simd_flags
@@ -447,7 +447,8 @@ def main(argv: list[str]) -> int:
         "max_logit_err": err,
         "perplexity": ppl,
         "decode_perplexity": ppl_decode,
-        "int8_route": cpu_gemv.q8_route if cpu_gemv.loaded() is not None else "torch",
+        "int8_route": (cpu_gemv.q8_route if cpu_gemv.loaded() is not None
+                       else "avx2" if cpu_avx2.loaded() is not None else "torch"),
         "int8_max_logit_err_vs_fp32": round(float((int8_logits - ref).abs().max()), 4),
         "kv_utilization": round(util, 4),
         "dtype": str(dtype).removeprefix("torch."),

@@ -21,7 +21,7 @@ from ..config import Config
 from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
-from .kernels import cpu_gemv
+from .kernels import cpu_avx2, cpu_gemv
 from .kernels.reference import sdpa
 from .layers import visible
 from .linear import resolve_rows_math, resolve_weights
@@ -230,6 +230,8 @@ class Engine(ChatText):
         if device.type == "cpu" and dtype == torch.bfloat16:
             cpu_gemv.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
             cpu_gemv.choose_q8(config.cache_dir)  # how its int8 product runs here
+        elif device.type == "cpu" and config.weights in ("auto", "int8"):
+            cpu_avx2.load(config.cache_dir)  # AVX2 only: the int8 GEMV for fp32 rows
         model = load_transformer(path, dtype, device)
         a = model.args
         shape = (2 * a.hidden_dim, a.dim)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_gemv
+from .kernels import cpu_avx2, cpu_gemv
 from .measured import cpu_flags, remembered, simd_flags
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -97,6 +97,9 @@ class Proj:
                     self.q8_route = "i16" if cpu_gemv.vnni() else "bf16"
                 u8 = self.q8_route == "u8"
                 self.w_gemv = cpu_gemv.pack_u8(self.packed) if u8 else cpu_gemv.pack(self.packed)
+            elif cpu_avx2.loaded() is not None and cpu_gemv.fits(w):  # AVX2 only: fp32 rows on int16
+                self.q8_route = "avx2"
+                self.w_gemv = cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
             self.packed, self.scales_zeros = _int4_pack(w)
         elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
@@ -125,6 +128,8 @@ class Proj:
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "int8":
+            if self.q8_route == "avx2" and x.dtype == torch.float32:
+                return self._avx2(x)
             if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16
                     and (lib := cpu_gemv.loaded())):
                 return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, i16=self.q8_route == "i16")
@@ -158,6 +163,18 @@ class Proj:
         if self.w_t is not None and x.shape[0] <= self.max_rows:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
         return F.linear(x, self.w, self.bias)
+
+
+    def _avx2(self, x: torch.Tensor) -> torch.Tensor:
+        """int8 on an AVX2-only CPU (fp32 rows): few rows through `cpu_avx2`'s kernel; more
+        (prefill, a blend's recomputed rows) through an fp32 copy of the dequantized weight,
+        stored transposed as the dense fp32 format keeps it and made at the first such call.
+        As with the AVX-512 kernels, int8 buys decode speed here, not memory."""
+        if x.shape[0] <= cpu_avx2.MAX_ROWS and (lib := cpu_avx2.loaded()):
+            return cpu_avx2.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
+        if self._prefill_w is None:
+            self._prefill_w = (self.packed.float() * self.scale[:, None]).t().contiguous()
+        return torch.mm(x, self._prefill_w) if self.bias is None else torch.addmm(self.bias, x, self._prefill_w)
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -246,7 +263,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     does not decide: on the EPYC VM the int8 kernel decoded 85 tok/s against bf16's 69-75,
     but torch's int8 product had taken a 2,048-token prefill from 834 to 465 tok/s (many rows
     now dequantize to bf16 for the call instead)."""
-    kernels = cpu_gemv.tag() if cpu_gemv.loaded() is not None else "no kernels"
+    kernels = (cpu_gemv.tag() if cpu_gemv.loaded() is not None
+               else cpu_avx2.tag() if cpu_avx2.loaded() is not None else "no kernels")
     key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{simd_flags()}|{kernels}"
     if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
         key += f"|rows {rows_math}"

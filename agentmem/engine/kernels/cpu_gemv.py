@@ -766,32 +766,46 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
         if not _cpu_ok():
             why_not = "the CPU has no AVX512-BF16"
             return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            why_not = "no C compiler (cc/gcc) on PATH"
-            log.info("agentmem: bf16 GEMV kernel off: %s", why_not)
-            return None
-        tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
-        base = Path(cache_dir).expanduser() if cache_dir is not None else Path(tempfile.gettempdir()) / "agentmem"
-        so = base / "kernels" / f"gemv_bf16-{tag}.so"
-        try:
-            if not so.exists():
-                so.parent.mkdir(parents=True, exist_ok=True)
-                src = so.with_suffix(".c")
-                src.write_text(_SOURCE)
-                tmp = so.with_suffix(f".{os.getpid()}.tmp")
-                subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
-                os.replace(tmp, so)
-            lib = ctypes.CDLL(str(so))
-            for name, argtypes in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, None
-            _lib = lib
-        except (OSError, subprocess.SubprocessError) as exc:
-            err = getattr(exc, "stderr", b"") or b""
-            why_not = f"{type(exc).__name__}: {exc} {err.decode(errors='replace')[:300]}".strip()
-            log.warning("agentmem: bf16 GEMV kernel off, using oneDNN: %s", why_not)
+        _lib, why_not = build("gemv_bf16", _SOURCE, _FLAGS, _SIGNATURES, cache_dir)
         return _lib
+
+
+def build(name: str, source: str, flags: list[str], signatures: dict, cache_dir: Path | str | None
+          ) -> tuple[ctypes.CDLL | None, str | None]:
+    """C `source` compiled with `flags` by the system's compiler into `<cache_dir>/kernels/<name>-<hash>.so`
+    (once: the file is kept) and loaded, its functions typed by `signatures` (name -> argtypes);
+    (library, None), or (None, why not) with a warning."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        why = "no C compiler (cc/gcc) on PATH"
+        log.info("agentmem: %s kernels off: %s", name, why)
+        return None, why
+    tag = hashlib.sha256((source + " ".join(flags) + cc).encode()).hexdigest()[:16]
+    base = Path(cache_dir).expanduser() if cache_dir is not None else Path(tempfile.gettempdir()) / "agentmem"
+    so = base / "kernels" / f"{name}-{tag}.so"
+    try:
+        if not so.exists():
+            so.parent.mkdir(parents=True, exist_ok=True)
+            src = so.with_suffix(".c")
+            src.write_text(source)
+            tmp = so.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)
+        lib = ctypes.CDLL(str(so))
+        for fn_name, argtypes in signatures.items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes, fn.restype = argtypes, None
+        return lib, None
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        why = f"{type(exc).__name__}: {exc} {err.decode(errors='replace')[:300]}".strip()
+        log.warning("agentmem: %s kernels off, using torch's products: %s", name, why)
+        return None, why
+
+
+def source_tag(prefix: str, source: str, flags: list[str]) -> str:
+    """A kernel library's identity (a hash of its source and build flags)."""
+    return prefix + "-" + hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:12]
 
 
 Q8_ROUTES = ("bf16", "i16", "u8")
@@ -854,7 +868,7 @@ def choose_q8(cache_dir: Path | str) -> str:
 def tag() -> str:
     """The kernels' identity (a hash of their source and build flags): what a measurement of
     them is keyed by."""
-    return "gemv-" + hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:12]
+    return source_tag("gemv", _SOURCE, _FLAGS)
 
 
 def loaded() -> ctypes.CDLL | None:

@@ -1,0 +1,77 @@
+"""kernels/cpu_avx2.py: the AVX2 int8-weight product of fp32 rows against torch, and Proj's
+use of it (the int8 route of an fp32 engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentmem.engine.kernels import cpu_avx2, cpu_gemv
+from agentmem.engine.linear import Proj
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib = cpu_avx2.load(tmp_path_factory.mktemp("cache"))
+    if lib is None:
+        pytest.skip(f"no AVX2 int8 kernel here: {cpu_avx2.why_not}")
+    return lib
+
+
+def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+# rows up to 16 (4-row tiles and a ragged last one), K past one int32 chunk (2,048 inputs),
+# K not a multiple of 16 (the scalar tails of the quantizer)
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 48, 576), (5, 576, 1536), (16, 32, 4100), (2, 16, 34)])
+def test_gemv_q8_matches_the_dequantized_product(lib, rows, out, inp):
+    g = torch.Generator().manual_seed(rows * out + inp)
+    q, scale = _int8(torch.randn(out, inp, generator=g) * 0.05)
+    x = torch.randn(rows, inp, generator=g)
+    x[:, 3] *= 40  # an outlier channel, as real activations have: the row's int16 step is set by it
+    b = torch.randn(out, generator=g)
+    ref = x @ (q.float() * scale[:, None]).t() + b
+    y = cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, x, b)
+    assert y.shape == (rows, out) and y.dtype == torch.float32
+    # int16 rows keep 13 bits of each row's largest value: the error is a few parts in 10^4 of
+    # the row's largest sum, far below int8 weights' own
+    assert (y - ref).abs().max() < 2e-3 * ref.abs().max()
+    assert not torch.equal(y, torch.zeros_like(y))
+
+
+def test_gemv_q8_reads_strided_rows_and_checks_its_input(lib):
+    q, scale = _int8(torch.randn(32, 96))
+    x = torch.randn(2, 192)[:, :96]  # rows 192 apart
+    ref = x @ (q.float() * scale[:, None]).t()
+    assert torch.allclose(cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, x), ref, rtol=0, atol=2e-3 * ref.abs().max())
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, x.bfloat16())
+    with pytest.raises(ValueError):
+        cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, torch.randn(1, 64))
+
+
+def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized_copy_for_many(lib, monkeypatch):
+    if cpu_gemv.loaded() is not None:
+        monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: no AVX512-BF16 kernels
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(192, 576, generator=g) * 0.05
+    b = torch.randn(192, generator=g)
+    p = Proj(w, b, fmt="int8")
+    assert p.q8_route == "avx2" and p.w_gemv is not None
+    ref_w = p.packed.float() * p.scale[:, None]
+    calls = []
+    real = cpu_avx2.gemv_q8
+    monkeypatch.setattr(cpu_avx2, "gemv_q8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for rows in (1, 8, cpu_avx2.MAX_ROWS, cpu_avx2.MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 576, generator=g)
+        ref = x @ ref_w.t() + b
+        y = p(x)
+        assert y.shape == (rows, 192) and y.dtype == torch.float32
+        assert (y - ref).abs().max() < 2e-3 * ref.abs().max()
+    assert len(calls) == 3  # the rows up to MAX_ROWS; more went through the fp32 copy
+    assert p._prefill_w is not None and p._prefill_w.shape == (576, 192)
+    # the copy multiplies exactly as the dense fp32 format would
+    x = torch.randn(40, 576, generator=g)
+    assert torch.allclose(p(x), x @ ref_w.t() + b, atol=1e-4)
