@@ -75,3 +75,43 @@ def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized
     # the copy multiplies exactly as the dense fp32 format would
     x = torch.randn(40, 576, generator=g)
     assert torch.allclose(p(x), x @ ref_w.t() + b, atol=1e-4)
+
+
+def test_rms_norm_and_rope_match_torch(lib):
+    import torch.nn.functional as F
+
+    from agentmem.engine.layers import rotate
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 576, generator=g)[:, :570]  # rows 576 apart, a width not a multiple of 8
+    w = torch.randn(570, generator=g)
+    assert torch.allclose(cpu_avx2.rms_norm(lib, x, w, 1e-5), F.rms_norm(x, (570,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    qkv = torch.randn(3, 15 * 64, generator=g)  # q (9 heads) and k (3) inside a fused output, then v
+    q = qkv[:, :9 * 64].view(3, 9, 64)
+    cos, sin = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    assert cpu_avx2.rope_usable(q, cos) and not cpu_avx2.rope_usable(q.bfloat16(), cos)
+    swapped = q.reshape(3, 9, 2, 32).flip(-2).reshape(3, 9, 64)
+    ref = q * cos[:, None, :] + swapped * sin[:, None, :]
+    y = cpu_avx2.rope(lib, q, cos, sin)
+    assert y.is_contiguous() and torch.allclose(y, ref, atol=1e-6)
+    assert torch.allclose(rotate(q, cos, sin), ref, atol=1e-6)  # what the engine's layers call
+
+
+@pytest.mark.parametrize("rows,width,heads,kv_heads,hd", [(1, 300, 9, 3, 64), (3, 37, 8, 8, 32), (2, 5, 4, 1, 128)])
+def test_decode_attention_matches_sdpa_over_gathered_keys(lib, rows, width, heads, kv_heads, hd):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rows * width)
+    k_pool = torch.randn(64, 16, kv_heads, hd, generator=g)  # [blocks, block size, KV, hd], as KVPool
+    v_pool = torch.randn(64, 16, kv_heads, hd, generator=g)
+    q = torch.randn(rows, heads, hd, generator=g) * 2
+    idx = torch.randint(0, 64 * 16, (rows * width,), generator=g)
+    keep = torch.rand(rows, width, generator=g) < 0.7
+    keep[:, 0] = True
+    out = cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx, keep)
+    k = k_pool.view(-1, kv_heads, hd)[idx].view(rows, width, kv_heads, hd).transpose(1, 2)
+    v = v_pool.view(-1, kv_heads, hd)[idx].view(rows, width, kv_heads, hd).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep[:, None, None, :], enable_gqa=True)[:, :, 0]
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+    with pytest.raises(ValueError, match="slots"):
+        cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx[:-1], keep)

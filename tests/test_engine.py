@@ -229,6 +229,26 @@ def test_closing_a_stream_cancels_and_frees(engine):
     assert not loop.scheduler.has_work()
 
 
+def test_a_stream_under_cancel_on_ends_when_its_event_is_set(engine):
+    """Nobody closes the stream: the event alone ends it (tests/test_api_tenants.py has the
+    case it is for, a plain request whose client left while the reply's text was held back)."""
+    from agentmem.engine.engine import cancel_on
+
+    loop = EngineLoop(engine, pool_tokens=1024)
+    gone = threading.Event()
+    with cancel_on(gone):
+        s = engine.stream(engine.chat_segments(STORY), max_tokens=200, ignore_eos=True, loop=loop)
+    threading.Timer(0.5, gone.set).start()
+    text = "".join(s)
+    assert s.result.stats.finish_reason == "cancelled"
+    assert s.result.stats.completion_tokens < 200 and s.result.text.startswith(text)
+    assert not loop.scheduler.has_work()
+    # a stream started outside the block is not watched
+    t = engine.stream(chat(engine, "hi"), max_tokens=3, loop=loop)
+    "".join(t)
+    assert t._cancel is None and t.result.stats.finish_reason in ("length", "stop")
+
+
 @pytest.mark.parametrize(
     ("prompt", "kw", "error"),
     [

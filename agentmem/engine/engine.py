@@ -8,6 +8,8 @@ cached KV for them instead of prefilling again. The engine itself knows nothing 
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -334,13 +336,33 @@ class Engine(ChatText):
         return s.result
 
 
+_CANCEL = threading.local()
+CANCEL_POLL_S = 0.1  # how often a stream under `cancel_on` looks at its event while it waits
+
+
+@contextlib.contextmanager
+def cancel_on(event: threading.Event | None):
+    """Streams started in this thread inside the block are cancelled once `event` is set,
+    even while no text comes (a reply's text can be held back for many tokens: stop strings,
+    the loop detector's settling), and end as finish_reason "cancelled". The API's plain
+    requests use it for a client that has gone (`api/disconnect.py`)."""
+    before = getattr(_CANCEL, "event", None)
+    _CANCEL.event = event
+    try:
+        yield
+    finally:
+        _CANCEL.event = before
+
+
 class GenerationStream:
     """Iterator of text pieces as they are produced; `.result` holds the whole Generation
-    once exhausted. Closing it (or dropping it) early cancels the request."""
+    once exhausted. Closing it (or dropping it) early cancels the request, and so does
+    setting the event of a `cancel_on` block it was started in."""
 
     def __init__(self, seq: Sequence):
         self._seq = seq
         self.result: Generation | None = None
+        self._cancel: threading.Event | None = getattr(_CANCEL, "event", None)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -348,7 +370,7 @@ class GenerationStream:
     def __next__(self) -> str:
         if self.result is not None:
             raise StopIteration
-        item = self._seq.out.get()
+        item = self._next_item()
         if isinstance(item, Generation):
             self.result = item
             raise StopIteration
@@ -356,6 +378,16 @@ class GenerationStream:
             self.close()
             raise item
         return item
+
+    def _next_item(self):
+        if self._cancel is None:
+            return self._seq.out.get()
+        while True:
+            try:
+                return self._seq.out.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                if self._cancel.is_set():
+                    self.close()  # the loop finishes the sequence and sends its Generation
 
     def close(self) -> None:
         if self.result is None:

@@ -10,7 +10,7 @@ import torch
 
 from .block_manager import BlockManager
 from .compiled import CompiledDecode, paged_attention
-from .kernels import cpu_gemv, paged_decode_attention
+from .kernels import cpu_avx2, cpu_gemv, paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool
 from .layers import visible
@@ -90,6 +90,11 @@ class ModelRunner:
             keep = (mask.reshape(len(seqs), width) if mask is not None
                     else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
             return lambda i, q: cpu_gemv.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
+        if (lib := cpu_avx2.loaded()) is not None and cpu_avx2.attention_usable(
+                pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
+            keep = (mask.reshape(len(seqs), width) if mask is not None
+                    else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
+            return lambda i, q: cpu_avx2.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, pool.k[i], pool.v[i], idx_t, mask, width)

@@ -49,6 +49,13 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
 /* Row xr (fp32, K inputs) to int16 q at step *xs = amax / I16_MAX (round to nearest even). */
 static void quantize(const float *xr, int64_t K, int16_t *q, float *xs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -133,11 +140,175 @@ void agentmem_avx2_gemv_q8(const int8_t *w, const float *scale, const float *x, 
     }
     if (xq != stack) free(xq);
 }
+
+/* RMSNorm of fp32 rows: y = x / sqrt(mean(x^2) + eps) * w (rows ldx apart, y contiguous). */
+void agentmem_avx2_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t M, int64_t D,
+                                float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        float *ym = y + m * D;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            const __m256 v = _mm256_loadu_ps(xm + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; d < D; d++) ss += xm[d] * xm[d];
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (d = 0; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(ym + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xm + d), rv), _mm256_loadu_ps(w + d)));
+        for (; d < D; d++) ym[d] = xm[d] * r * w[d];
+    }
+}
+
+/* RoPE of fp32 rows as `layers.rotate` computes it: y = x * cos + swap(x) * sin (swap exchanges
+   the two halves of a head; the sin table is signed). x [N, heads, hd] with rows ldx apart and
+   heads hd apart, cos/sin [N, hd], y [N, heads, hd] contiguous; hd a multiple of 16. */
+void agentmem_avx2_rope_f32(const float *x, int64_t ldx, const float *cs, const float *sn, float *y, int64_t N,
+                            int64_t heads, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cs + n * hd, *s = sn + n * hd;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + n * ldx + h * hd;
+            float *yr = y + (n * heads + h) * hd;
+            for (int64_t d = 0; d < half; d += 8) {
+                const __m256 a = _mm256_loadu_ps(xr + d), b = _mm256_loadu_ps(xr + half + d);
+                _mm256_storeu_ps(yr + d, _mm256_fmadd_ps(b, _mm256_loadu_ps(s + d),
+                                                         _mm256_mul_ps(a, _mm256_loadu_ps(c + d))));
+                _mm256_storeu_ps(yr + half + d, _mm256_fmadd_ps(a, _mm256_loadu_ps(s + half + d),
+                                                                _mm256_mul_ps(b, _mm256_loadu_ps(c + half + d))));
+            }
+        }
+    }
+}
+
+/* e^x for 8 floats (x <= 0: scores minus their max): 2^n * p(r), r = x - n ln 2, p of degree 6;
+   below -87 the result is 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* The sums of 8 vectors, as one vector (lane j: the sum of a[j]'s lanes). */
+static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* One fp32 decode query per row over its keys read from the paged pool: q [B, H, hd], pools
+   [slots, KV, hd], idx [B, W] flat slots, keep [B, W] which of them row b sees; out [B, H, hd].
+   A task is one (row, KV head) and its G = H / KV query heads: scores 8 keys at a time (one
+   transposed sum), the softmax in place, then the weighted sum of V 64 dims at a time in
+   registers. hd a multiple of 8, up to 256. */
+void agentmem_avx2_decode_attn_f32(const float *q, const float *kp, const float *vp, const int64_t *idx,
+                                   const uint8_t *keep, float *out, int64_t B, int64_t H, int64_t KV, int64_t hd,
+                                   int64_t W, float scale, int threads) {
+    const int64_t G = H / KV, nd = hd / 8;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, kvh = task % KV;
+        int64_t *slot = (int64_t *)malloc((W + 8) * sizeof(int64_t));
+        float *s = (float *)malloc((G * W + 8) * sizeof(float));
+        int64_t nv = 0;
+        for (int64_t j = 0; j < W; j++)
+            if (keep[b * W + j]) slot[nv++] = idx[b * W + j];
+        const float *qg = q + (b * H + kvh * G) * hd;
+        int64_t t0 = 0;
+        for (; t0 + 8 <= nv; t0 += 8) {
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = kp + (slot[t0 + j] * KV + kvh) * hd;
+            for (int64_t g = 0; g < G; g++) {
+                __m256 a[8];
+                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < hd; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + g * hd + d);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k[j] + d), qv, a[j]);
+                }
+                _mm256_storeu_ps(s + g * W + t0, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+            }
+        }
+        for (int64_t t = t0; t < nv; t++) {  /* the last keys one at a time */
+            const float *k = kp + (slot[t] * KV + kvh) * hd;
+            for (int64_t g = 0; g < G; g++) {
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t d = 0; d < hd; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(k + d), _mm256_loadu_ps(qg + g * hd + d), a);
+                s[g * W + t] = hsum8(a) * scale;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {  /* softmax in place */
+            float *sg = s + g * W;
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < nv; t++) m = sg[t] > m ? sg[t] : m;
+            const __m256 mv = _mm256_set1_ps(m);
+            __m256 acc = _mm256_setzero_ps();
+            int64_t t = 0;
+            for (; t + 8 <= nv; t += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+                _mm256_storeu_ps(sg + t, e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            sum = hsum8(acc);
+            for (; t < nv; t++) {
+                sg[t] = expf(sg[t] - m);
+                sum += sg[t];
+            }
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const __m256 iv = _mm256_set1_ps(inv);
+            for (t = 0; t + 8 <= nv; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), iv));
+            for (; t < nv; t++) sg[t] *= inv;
+        }
+        for (int64_t g = 0; g < G; g++) {  /* the weighted sum of V, 8 vectors of dims at a time */
+            float *og = out + (b * H + kvh * G + g) * hd;
+            const float *sg = s + g * W;
+            for (int64_t d0 = 0; d0 < nd; d0 += 8) {
+                const int64_t n8 = nd - d0 < 8 ? nd - d0 : 8;
+                __m256 o[8];
+                for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
+                for (int64_t t = 0; t < nv; t++) {
+                    const float *v = vp + (slot[t] * KV + kvh) * hd + 8 * d0;
+                    const __m256 p = _mm256_set1_ps(sg[t]);
+                    if (n8 == 8) {
+                        for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
+                    } else {
+                        for (int j = 0; j < n8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
+                    }
+                }
+                for (int j = 0; j < n8; j++) _mm256_storeu_ps(og + 8 * (d0 + j), o[j]);
+            }
+        }
+        free(slot);
+        free(s);
+    }
+}
 """
 
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {"agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32]}
+_SIGNATURES = {
+    "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
+    "agentmem_avx2_rms_norm_f32": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
+    "agentmem_avx2_rope_f32": [_P, _I, _P, _P, _P, _I, _I, _I],
+    "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
+}
 MAX_ROWS = cpu_gemv.MAX_ROWS  # input rows up to which Proj uses the kernel (decode batches)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -193,3 +364,62 @@ def gemv_q8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Te
                               None if bias is None else bias.data_ptr(), x.shape[0], n, k,
                               torch.get_num_threads())
     return y
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows x [M, D] by an fp32 weight [D] (what F.rms_norm computes, in one call)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.agentmem_avx2_rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0],
+                                   x.shape[1], eps)
+    return y
+
+
+def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rope` takes x [N, heads, hd] (fp32 on the CPU, each head's dims contiguous and
+    heads adjacent, hd a multiple of 16) with fp32 tables [N, hd]."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and cos.dim() == 2
+            and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+            and cos.dtype == torch.float32 and cos.shape == (x.shape[0], x.shape[-1]))
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd] rotated by its positions' tables, as `layers.rotate` computes it, into a
+    new contiguous tensor (`rope_usable` must hold)."""
+    n, heads, hd = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty(n, heads, hd, dtype=torch.float32)
+    lib.agentmem_avx2_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd)
+    return y
+
+
+def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `decode_attention` takes such a query and pool: fp32 on the CPU, head_dim a
+    multiple of 8 up to 256."""
+    return (dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0 and head_dim <= 256
+            and heads % kv_heads == 0)
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     idx: torch.Tensor, keep: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """`cpu_gemv.decode_attention` for fp32: one decode query per row over its keys in the
+    paged pool (q [B, H, hd]; pools [..., KV, hd], contiguous; idx [B * W] flat slots; keep
+    [B, W] which of them the row sees). Returns [B, H, hd]."""
+    b, h, hd = q.shape
+    kv = k_pool.shape[-2]
+    w = keep.numel() // b
+    if idx.numel() != b * w:
+        raise ValueError(f"decode_attention: {idx.numel()} slots for {b} rows of {w} keys")
+    # the engine passes idx (int64) and keep (uint8) made once a step: no conversions then
+    if idx.dtype != torch.int64 or not idx.is_contiguous():
+        idx = idx.to(torch.int64).contiguous()
+    if keep.dtype != torch.uint8 or not keep.is_contiguous():
+        keep = keep.to(torch.uint8).contiguous()
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = torch.empty(q.shape)
+    lib.agentmem_avx2_decode_attn_f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), idx.data_ptr(),
+                                      keep.data_ptr(), out.data_ptr(), b, h, kv, hd, w,
+                                      hd ** -0.5 if scale is None else scale, torch.get_num_threads())
+    return out

@@ -1102,6 +1102,10 @@ _OPS.define("decode_attn(Tensor q, Tensor k_pool, Tensor v_pool, Tensor idx, Ten
 
 
 def _decode_attn(q, k_pool, v_pool, idx, keep):
+    if q.dtype == torch.float32:  # fp32 rows: the AVX2 library's kernel (compiled.paged_attention)
+        from . import cpu_avx2
+
+        return cpu_avx2.decode_attention(cpu_avx2.loaded(), q, k_pool, v_pool, idx, keep)
     return decode_attention(_lib, q, k_pool, v_pool, idx, keep)
 
 
