@@ -71,7 +71,7 @@ def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized
         assert y.shape == (rows, 192) and y.dtype == torch.float32
         assert (y - ref).abs().max() < 2e-3 * ref.abs().max()
     assert len(calls) == 3  # the rows up to MAX_ROWS; more went through the fp32 copy
-    assert p._prefill_w is not None and p._prefill_w.shape == (576, 192)
+    assert p._rows_w_t is not None and p._rows_w_t.shape == (576, 192)
     # the copy multiplies exactly as the dense fp32 format would
     x = torch.randn(40, 576, generator=g)
     assert torch.allclose(p(x), x @ ref_w.t() + b, atol=1e-4)

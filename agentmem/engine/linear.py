@@ -18,7 +18,11 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   more rows (prefill) through a bf16 copy packed for oneDNN at the first such call: with the
   kernels int8 buys decode speed, not memory. (fbgemm's
   int8 x int8 product, which also quantizes each activation row, ran 2x faster per row but
-  raised SmolLM2's perplexity by 15%: the activations have outlier channels.)
+  raised SmolLM2's perplexity by 15%: the activations have outlier channels.) On an AVX2-only
+  CPU (fp32 engine) up to `cpu_avx2.MAX_ROWS` rows take `kernels/cpu_avx2.py`'s product (the
+  rows quantized to int16 with a scale each, `vpmaddwd`), more rows a transposed fp32 copy of
+  the dequantized weight: on a Zen 3 VM a token's products 9 ms against 48 for fp32 (`torch.mm`)
+  and 114 for `_weight_int8pack_mm`.
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   offset (`_weight_int4pack_mm_for_cpu`), activations in bf16/fp32.
 
@@ -75,6 +79,7 @@ class Proj:
         self.w_gemv: torch.Tensor | None = None  # the GEMV kernel's layout (cpu_gemv.pack)
         self.q8_route = "bf16"  # int8: how the GEMV multiplies this weight (cpu_gemv.q8_route when built)
         self._prefill_w: torch.Tensor | None = None  # int8 with the kernels: the bf16 weight for many rows
+        self._rows_w_t: torch.Tensor | None = None  # int8 on the AVX2 route: the fp32 weight [in, out], many rows
         self.w_t: torch.Tensor | None = None
         self.packed = None
         self._key: torch.Tensor | None = None
@@ -172,9 +177,9 @@ class Proj:
         As with the AVX-512 kernels, int8 buys decode speed here, not memory."""
         if x.shape[0] <= cpu_avx2.MAX_ROWS and (lib := cpu_avx2.loaded()):
             return cpu_avx2.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
-        if self._prefill_w is None:
-            self._prefill_w = (self.packed.float() * self.scale[:, None]).t().contiguous()
-        return torch.mm(x, self._prefill_w) if self.bias is None else torch.addmm(self.bias, x, self._prefill_w)
+        if self._rows_w_t is None:
+            self._rows_w_t = (self.packed.float() * self.scale[:, None]).t().contiguous()
+        return torch.mm(x, self._rows_w_t) if self.bias is None else torch.addmm(self.bias, x, self._rows_w_t)
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
