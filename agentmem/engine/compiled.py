@@ -88,8 +88,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     over 128 keys and 574 us over 512, against 37 and 101 us in fp32 (1 thread, 9 heads of 64),
     and the gather copies the keys anyway."""
     b, kv_heads, hd = q.shape[0], k_pool.shape[-2], k_pool.shape[-1]
-    if ((cpu_gemv.loaded() is not None and cpu_gemv.attention_usable(q.dtype, q.device, q.shape[1], kv_heads, hd))
-            or (cpu_avx2.loaded() is not None and cpu_avx2.attention_usable(q.dtype, q.device, q.shape[1], kv_heads, hd))):
+    if any(k.loaded() is not None and k.attention_usable(q.dtype, q.device, q.shape[1], kv_heads, hd)
+           for k in (cpu_gemv, cpu_avx2)):  # the op picks the library by dtype
         keep = mask if mask is not None else torch.ones(b, width, dtype=torch.bool, device=q.device)
         return torch.ops.agentmem.decode_attn(q, k_pool, v_pool, idx, keep)
     up = q.dtype == torch.bfloat16 and q.device.type == "cpu"

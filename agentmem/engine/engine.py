@@ -233,7 +233,8 @@ class Engine(ChatText):
             cpu_gemv.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
             cpu_gemv.choose_q8(config.cache_dir)  # how its int8 product runs here
         elif device.type == "cpu" and config.weights in ("auto", "int8"):
-            cpu_avx2.load(config.cache_dir)  # AVX2 only: the int8 GEMV for fp32 rows
+            # fp32 rows: the AVX2 int8 GEMV, RMSNorm, RoPE and decode attention (kernels/cpu_avx2.py)
+            cpu_avx2.load(config.cache_dir)
         model = load_transformer(path, dtype, device)
         a = model.args
         shape = (2 * a.hidden_dim, a.dim)

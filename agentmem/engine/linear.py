@@ -169,7 +169,6 @@ class Proj:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
         return F.linear(x, self.w, self.bias)
 
-
     def _avx2(self, x: torch.Tensor) -> torch.Tensor:
         """int8 on an AVX2-only CPU (fp32 rows): few rows through `cpu_avx2`'s kernel; more
         (prefill, a blend's recomputed rows) through an fp32 copy of the dequantized weight,
@@ -273,20 +272,19 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{simd_flags()}|{kernels}"
     if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
         key += f"|rows {rows_math}"
-    if own == "fp32" and cpu_avx2.loaded() is not None:
-        key += "|int8 rows on an fp32 copy"  # see measure()
+    # int8's many rows multiply an fp32 copy of the dequantized weight on the AVX2 route
+    # (`Proj._avx2`): the same product as fp32's, so timing both would only compare noise (on a
+    # noisy 2-core VM, 32 against 40 ms, which once chose fp32 at 2.1x slower decode)
+    same_rows = own == "fp32" and cpu_avx2.loaded() is not None
+    if same_rows:
+        key += "|int8 rows on an fp32 copy"
 
     def measure() -> dict:
         times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
-        if own == "fp32" and cpu_avx2.loaded() is not None:
-            # int8's many rows multiply an fp32 copy of the dequantized weight (`Proj._avx2`): the
-            # same product as fp32's, so timing both would only compare noise (on a noisy 2-core
-            # VM, 32 against 40 ms, which once chose fp32 at 2.1x slower decode)
-            rows = dict.fromkeys((own, "int8"), rows_seconds(_with_rows_math(own, shape, rows_math), shape,
-                                                            PREFILL_ROWS))
-        else:
-            rows = {fmt: rows_seconds(_with_rows_math(fmt, shape, rows_math), shape, PREFILL_ROWS)
-                    for fmt in (own, "int8")}
+        rows = {fmt: rows_seconds(_with_rows_math(fmt, shape, rows_math), shape, PREFILL_ROWS)
+                for fmt in ((own,) if same_rows else (own, "int8"))}
+        if same_rows:
+            rows["int8"] = rows[own]
         choice = "int8" if times["int8"] < times[own] and rows["int8"] <= PREFILL_SLACK * rows[own] else own
         return {"weights": choice, "rule": RULE, "one_row_us": {k: round(v * 1e6, 1) for k, v in times.items()},
                 f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in rows.items()}}

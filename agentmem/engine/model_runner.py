@@ -84,17 +84,13 @@ class ModelRunner:
             mask = mask[:, None, None, :]
 
         a = self.model.args
-        if (lib := cpu_gemv.loaded()) is not None and cpu_gemv.attention_usable(
-                pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
-            # the CPU kernel, called directly: its inputs are made once a step, not per layer
-            keep = (mask.reshape(len(seqs), width) if mask is not None
-                    else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
-            return lambda i, q: cpu_gemv.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
-        if (lib := cpu_avx2.loaded()) is not None and cpu_avx2.attention_usable(
-                pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
-            keep = (mask.reshape(len(seqs), width) if mask is not None
-                    else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
-            return lambda i, q: cpu_avx2.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
+        for kernels in (cpu_gemv, cpu_avx2):  # bf16 rows (AVX512-BF16), fp32 rows (AVX2)
+            if (lib := kernels.loaded()) is not None and kernels.attention_usable(
+                    pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
+                # the CPU kernel, called directly: its inputs are made once a step, not per layer
+                keep = (mask.reshape(len(seqs), width) if mask is not None
+                        else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
+                return lambda i, q: kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, pool.k[i], pool.v[i], idx_t, mask, width)
