@@ -14,14 +14,17 @@ accumulators, 2 weight vectors and the broadcast pair fit AVX2's 16 registers); 
 of I16_CHUNK inputs goes to fp32 before the next, so no int32 sum can overflow.
 
 Built once by the system's C compiler into the cache dir and loaded with ctypes
-(`cpu_gemv.build`), as the AVX-512 library is; without AVX2/FMA or a compiler, `load` returns
-None, says why, and int8 stays with torch's product.
+(`cpu_gemv.load_once`), as the AVX-512 library is; without AVX2/FMA or a compiler, `load`
+returns None, says why, and int8 stays with torch's product.
+
+The same library holds fp32 RMSNorm, RoPE and decode attention; their Python wrappers are
+`cpu_gemv`'s, given this library's C functions and fp32.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import sys
 import threading
 from pathlib import Path
 
@@ -324,19 +327,7 @@ def cpu_ok() -> bool:
 
 def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel (built into `<cache_dir>/kernels` the first time), or None."""
-    global _lib, _tried, why_not
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("AGENTMEM_GEMV", "on") == "off":
-            why_not = "AGENTMEM_GEMV=off"
-            return None
-        if not cpu_ok():
-            why_not = "the CPU has no AVX2/FMA"
-            return None
-        _lib, why_not = cpu_gemv.build("gemv_avx2", _SOURCE, _FLAGS, _SIGNATURES, cache_dir)
-        return _lib
+    return cpu_gemv.load_once(sys.modules[__name__], "gemv_avx2", cpu_ok, "AVX2/FMA", cache_dir)
 
 
 def loaded() -> ctypes.CDLL | None:
@@ -368,37 +359,25 @@ def gemv_q8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Te
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of fp32 rows x [M, D] by an fp32 weight [D] (what F.rms_norm computes, in one call)."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.empty(x.shape, dtype=torch.float32)
-    lib.agentmem_avx2_rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0],
-                                   x.shape[1], eps)
-    return y
+    return cpu_gemv.norm_rows(lib.agentmem_avx2_rms_norm_f32, torch.float32, x, weight, eps)
 
 
 def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether `rope` takes x [N, heads, hd] (fp32 on the CPU, each head's dims contiguous and
     heads adjacent, hd a multiple of 16) with fp32 tables [N, hd]."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and cos.dim() == 2
-            and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
-            and cos.dtype == torch.float32 and cos.shape == (x.shape[0], x.shape[-1]))
+    return cpu_gemv.rope_takes(x, cos, torch.float32, 16)
 
 
 def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, hd] rotated by its positions' tables, as `layers.rotate` computes it, into a
     new contiguous tensor (`rope_usable` must hold)."""
-    n, heads, hd = x.shape
-    cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty(n, heads, hd, dtype=torch.float32)
-    lib.agentmem_avx2_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd)
-    return y
+    return cpu_gemv.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin)
 
 
 def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether `decode_attention` takes such a query and pool: fp32 on the CPU, head_dim a
-    multiple of 8 up to 256."""
-    return (dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0 and head_dim <= 256
-            and heads % kv_heads == 0)
+    multiple of 8 up to 256 (any number of query heads per KV head)."""
+    return cpu_gemv.attention_takes(dtype, device, heads, kv_heads, head_dim, torch.float32, 8, None)
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -406,20 +385,4 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
     """`cpu_gemv.decode_attention` for fp32: one decode query per row over its keys in the
     paged pool (q [B, H, hd]; pools [..., KV, hd], contiguous; idx [B * W] flat slots; keep
     [B, W] which of them the row sees). Returns [B, H, hd]."""
-    b, h, hd = q.shape
-    kv = k_pool.shape[-2]
-    w = keep.numel() // b
-    if idx.numel() != b * w:
-        raise ValueError(f"decode_attention: {idx.numel()} slots for {b} rows of {w} keys")
-    # the engine passes idx (int64) and keep (uint8) made once a step: no conversions then
-    if idx.dtype != torch.int64 or not idx.is_contiguous():
-        idx = idx.to(torch.int64).contiguous()
-    if keep.dtype != torch.uint8 or not keep.is_contiguous():
-        keep = keep.to(torch.uint8).contiguous()
-    if not q.is_contiguous():
-        q = q.contiguous()
-    out = torch.empty(q.shape)
-    lib.agentmem_avx2_decode_attn_f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), idx.data_ptr(),
-                                      keep.data_ptr(), out.data_ptr(), b, h, kv, hd, w,
-                                      hd ** -0.5 if scale is None else scale, torch.get_num_threads())
-    return out
+    return cpu_gemv.attend_pool(lib.agentmem_avx2_decode_attn_f32, q, k_pool, v_pool, idx, keep, scale)

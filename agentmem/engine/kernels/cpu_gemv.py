@@ -39,8 +39,11 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -755,19 +758,28 @@ def _cpu_ok() -> bool:
 
 def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel (built into `<cache_dir>/kernels` the first time), or None."""
-    global _lib, _tried, why_not
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
+    return load_once(sys.modules[__name__], "gemv_bf16", _cpu_ok, "AVX512-BF16", cache_dir)
+
+
+def load_once(module: types.ModuleType, name: str, cpu_ok: Callable[[], bool], needs: str,
+              cache_dir: Path | str | None) -> ctypes.CDLL | None:
+    """`load` of a kernel module (this one, `cpu_avx2`): the library of its `_SOURCE`, `_FLAGS`
+    and `_SIGNATURES` (`build`, as `name`), or None. Tried once a process, under the module's
+    `_lock`: the library stays in its `_lib` (what `loaded` returns) and why there is none in its
+    `why_not`. AGENTMEM_GEMV=off, or a CPU without what the kernels need (`cpu_ok` false; `needs`
+    names it), leaves None without building."""
+    with module._lock:
+        if module._tried:
+            return module._lib
+        module._tried = True
         if os.environ.get("AGENTMEM_GEMV", "on") == "off":
-            why_not = "AGENTMEM_GEMV=off"
+            module.why_not = "AGENTMEM_GEMV=off"
             return None
-        if not _cpu_ok():
-            why_not = "the CPU has no AVX512-BF16"
+        if not cpu_ok():
+            module.why_not = f"the CPU has no {needs}"
             return None
-        _lib, why_not = build("gemv_bf16", _SOURCE, _FLAGS, _SIGNATURES, cache_dir)
-        return _lib
+        module._lib, module.why_not = build(name, module._SOURCE, module._FLAGS, module._SIGNATURES, cache_dir)
+        return module._lib
 
 
 def build(name: str, source: str, flags: list[str], signatures: dict, cache_dir: Path | str | None
@@ -942,43 +954,102 @@ def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.
     return gemv(lib, qp, x, bias, out_dtype, scale=scale, i16=i16)
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of bf16 rows x [M, D] by a bf16 weight [D], rounded as `layers.rms_norm` rounds."""
+# The ops both libraries hold, for bf16 rows here and fp32 rows in `cpu_avx2`: one function an
+# op, given the library's C function (and the dtype of the rows it reads), serves both; each
+# library's public wrapper names its own.
+
+
+def norm_rows(fn: Callable[..., None], dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """RMSNorm of rows x [M, D] (`dtype`, as `weight` [D]) by `fn` (a library's
+    `agentmem_*rms_norm*`) in one call, into a new contiguous [M, D] tensor of `dtype`."""
     if x.dim() != 2 or x.stride(-1) != 1:
         x = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.empty(x.shape, dtype=torch.bfloat16)
-    lib.agentmem_rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
-                               eps)
+    y = torch.empty(x.shape, dtype=dtype)
+    fn(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
     return y
+
+
+def rope_takes(x: torch.Tensor, cos: torch.Tensor, dtype: torch.dtype, multiple: int) -> bool:
+    """Whether a library's `rope` takes x [N, heads, hd] (`dtype` on the CPU, each head's dims
+    contiguous and heads adjacent, hd a multiple of `multiple`) with fp32 tables [N, hd]."""
+    return (x.dtype == dtype and x.device.type == "cpu" and x.dim() == 3 and cos.dim() == 2
+            and x.shape[-1] % multiple == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+            and cos.dtype == torch.float32 and cos.shape == (x.shape[0], x.shape[-1]))
+
+
+def rotate_rows(fn: Callable[..., None], dtype: torch.dtype, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd] (`dtype`) rotated by its positions' tables (`Rotary.cos_sin`) by `fn` (a
+    library's `agentmem_*rope*`), into a new contiguous tensor of `dtype` (`rope_takes` must hold)."""
+    n, heads, hd = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty(n, heads, hd, dtype=dtype)
+    fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd)
+    return y
+
+
+MAX_GROUP = 32  # query heads per KV head the bf16 attention kernel takes (the fp32 one, any)
+MAX_HEAD_DIM = 256
+
+
+def attention_takes(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int,
+                    kernel_dtype: torch.dtype, multiple: int, max_group: int | None) -> bool:
+    """Whether a library's `decode_attention` takes such a query and pool: `kernel_dtype` on the
+    CPU, head_dim a multiple of `multiple` up to MAX_HEAD_DIM, query heads a multiple of the KV
+    heads and at most `max_group` of them per KV head (None: any number)."""
+    return (dtype == kernel_dtype and device.type == "cpu" and head_dim % multiple == 0
+            and head_dim <= MAX_HEAD_DIM and heads % kv_heads == 0
+            and (max_group is None or heads // kv_heads <= max_group))
+
+
+def attend_pool(fn: Callable[..., None], q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                idx: torch.Tensor, keep: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """One decode query per row over its keys in the paged pool by `fn` (a library's
+    `agentmem_decode_attn_*`): q [B, H, hd]; k_pool/v_pool [..., KV, hd] (contiguous, q's dtype);
+    idx [B * W] flat slots; keep [B, W] (or [B, 1, 1, W]) which of them the row sees. Returns
+    [B, H, hd] in q's dtype."""
+    b, h, hd = q.shape
+    kv = k_pool.shape[-2]
+    w = keep.numel() // b
+    if idx.numel() != b * w:
+        raise ValueError(f"decode_attention: {idx.numel()} slots for {b} rows of {w} keys")
+    if keep.numel() != b * w:
+        raise ValueError(f"decode_attention: {keep.numel()} keep flags for {b} rows")
+    # the engine passes idx (int64) and keep (uint8), contiguous, made once a step: no conversions then
+    if idx.dtype != torch.int64 or not idx.is_contiguous():
+        idx = idx.to(torch.int64).contiguous()
+    if keep.dtype != torch.uint8 or not keep.is_contiguous():
+        keep = keep.to(torch.uint8).contiguous()
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), idx.data_ptr(), keep.data_ptr(), out.data_ptr(),
+       b, h, kv, hd, w, hd ** -0.5 if scale is None else scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bf16 rows x [M, D] by a bf16 weight [D], rounded as `layers.rms_norm` rounds."""
+    return norm_rows(lib.agentmem_rms_norm_bf16, torch.bfloat16, x, weight, eps)
 
 
 def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether `rope` takes x [N, heads, hd] (bf16 on the CPU, each head's dims contiguous and
     heads adjacent, hd a multiple of 32) with fp32 tables [N, hd]."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3 and cos.dim() == 2
-            and x.shape[-1] % 32 == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
-            and cos.dtype == torch.float32 and cos.shape == (x.shape[0], x.shape[-1]))
+    return rope_takes(x, cos, torch.bfloat16, 32)
 
 
 def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, hd] rotated by its positions' tables (`Rotary.cos_sin`), as `layers.rotate`
     computes it, into a new contiguous bf16 tensor (`rope_usable` must hold)."""
-    n, heads, hd = x.shape
-    cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty(n, heads, hd, dtype=torch.bfloat16)
-    lib.agentmem_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd)
-    return y
-
-
-MAX_GROUP = 32  # query heads per KV head the attention kernel takes
-MAX_HEAD_DIM = 256
+    return rotate_rows(lib.agentmem_rope_bf16, torch.bfloat16, x, cos, sin)
 
 
 def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether `decode_attention` takes such a query and pool: bf16 on the CPU, head_dim a
     multiple of 32 up to 256, at most 32 query heads per KV head."""
-    return (dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM
-            and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
+    return attention_takes(dtype, device, heads, kv_heads, head_dim, torch.bfloat16, 32, MAX_GROUP)
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -988,19 +1059,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
     them the row sees. Returns [B, H, hd] (bf16). What `paged_attention` computes with
     gathers and SDPA, in one pass over the keys (attention_usable must hold). idx as int64
     and keep as uint8, both contiguous, are used as they are (the engine makes them once a step)."""
-    b, h, hd = q.shape
-    kv = k_pool.shape[-2]
-    keep = keep.reshape(b, -1)
-    w = keep.shape[1]
-    if idx.numel() != b * w:
-        raise ValueError(f"decode_attention: {idx.numel()} slots for {b} rows of {w} keys")
-    q, idx = q.contiguous(), idx.to(torch.int64).contiguous()
-    keep = keep.to(torch.uint8).contiguous()
-    out = torch.empty_like(q)
-    lib.agentmem_decode_attn_bf16(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), idx.data_ptr(),
-                                  keep.data_ptr(), out.data_ptr(), b, h, kv, hd, w,
-                                  hd ** -0.5 if scale is None else scale, torch.get_num_threads())
-    return out
+    return attend_pool(lib.agentmem_decode_attn_bf16, q, k_pool, v_pool, idx, keep, scale)
 
 
 def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
