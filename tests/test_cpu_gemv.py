@@ -262,11 +262,35 @@ def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, h
     out = cpu_gemv.rows_attention(lib, q, k, v, pos)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     ref = _causal_reference(q, k, v, pos)
-    # fp32 scores and softmax, the weights as two bf16 each: the bf16 output's rounding is the error
+    # fp32 scores and softmax, the weights rounded to bf16 (as the output is): the rounding is the error
     assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
     from agentmem.engine.kernels.reference import sdpa
     torch_bf16 = sdpa(q, k, v, torch.arange(keys)[None, :] <= pos[:, None]).float()
     assert (out.float() - ref).abs().mean() <= 1.1 * (torch_bf16 - ref).abs().mean() + 1e-6  # no worse than SDPA
+
+
+@pytest.mark.parametrize("keys,rows,heads,kv", [(2048, 40, 9, 3), (37, 1, 4, 4), (300, 7, 8, 2)])
+def test_rows_attention_adds_each_keys_share_as_the_probe_computes_it(lib, keys, rows, heads, kv):
+    """`share`: per key, attention weight x |v|, summed over rows and heads, added to what the
+    buffer holds (the kvreuse probe sums it over layers), against the fuser's torch path."""
+    from agentmem.kvreuse.fuser import _attend_and_share, causal_bias
+
+    g = torch.Generator().manual_seed(keys + rows)
+    q = torch.randn(rows, heads, 64, generator=g).bfloat16()
+    k = torch.randn(keys, kv, 64, generator=g).bfloat16()
+    v = (torch.randn(keys, kv, 64, generator=g) * torch.rand(keys, kv, 1, generator=g) * 3).bfloat16()
+    pos = torch.randperm(keys - 1, generator=g)[: rows - 1].sort().values
+    pos = torch.cat([pos, torch.tensor([keys - 1])])
+    out_ref, share_ref = _attend_and_share(q, k, v, causal_bias(pos, keys, heads // kv))
+    share = torch.full((keys,), 0.5)
+    out = cpu_gemv.rows_attention(lib, q, k, v, pos, share=share)
+    assert (out.float() - out_ref.float()).abs().max() < 3e-2
+    share -= 0.5  # it adds to the buffer
+    assert torch.allclose(share, share_ref, rtol=2e-2, atol=2e-2 * share_ref.max().item())
+    top = min(keys, 50)
+    assert len(set(share.topk(top).indices.tolist()) & set(share_ref.topk(top).indices.tolist())) >= 0.9 * top
+    with pytest.raises(ValueError, match="share"):
+        cpu_gemv.rows_attention(lib, q, k, v, pos, share=torch.zeros(keys, dtype=torch.float64))
 
 
 def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):

@@ -70,6 +70,13 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* 16 sums (+ bias) to y[0..15], fp32 or bf16 */
 static inline void store(void *y, int64_t off, __m512 v, const float *b, int f32) {
     if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b));
@@ -591,22 +598,33 @@ void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint
    64-byte vector) and V as [T2, hd, 2] (two keys' values of each dim side by side), so both
    products run on vdpbf16ps without horizontal sums: scores for 16 keys of 8 query rows per
    pass over a K block, and P times V two keys per instruction, P (the fp32 softmax
-   numerators) as the sum of two bf16 (hi, and the rest), so the weights keep ~16 bits.
+   numerators, normalised by their fp32 sum at the end) rounded to bf16.
    Each task is (KV head, query head of its group, 8 rows): its scores go to a per-thread
    buffer (exact two-pass softmax in fp32), then its outputs are summed over V 4 rows at a
    time (each V load serves 4 rows). Against torch's SDPA in bf16, on 2,048 causal tokens of
    SmolLM2's heads (9 of 64, 3 KV; AMD EPYC, 2 threads): 11.5 against 34.8 ms, and a lower
-   mean error against an fp32 reference (7.8e-5 against 1.2e-4). With P as one bf16 it took
-   12.0 ms, and bf16 perplexity on 512 tokens moved 0.5%; hi + lo for one row at a time, 19 ms. */
+   mean error against an fp32 reference (7.8e-5 against 1.2e-4). That kernel kept P as the sum
+   of two bf16 (hi + lo: ~16 bits a weight), which doubled the P V products. Session 29 (AMD
+   EPYC Zen 4 VM, 400 GFLOP/s bf16, 2 threads; 2,048 causal tokens): hi + lo 22-24 ms, of which
+   P V ~12 ms; P as one bf16 17-19 ms. The rounding of a weight (2^-9 relative, unbiased) is
+   the size of the output's own bf16 rounding and averages over the keys: on random peaky
+   scores the mean error against fp32 is 2.7e-4 against 2.0e-4 (SDPA bf16 2.0e-4, max errors
+   equal), and through the whole bf16 model the KL of the next-token distribution against
+   fp32 is the same (512 tokens: 8.01e-4 against 8.03e-4; 2,048: 7.22e-4 against 7.13e-4;
+   perplexity 8.4559 / 8.4728 against fp32's 8.4604). So P is one bf16.
+   `share` (NULL: none) [T] fp32 is added to, per key, what it gives the outputs: its attention
+   weight times the norm of its value, summed over the rows and heads (the kvreuse probe's
+   selection signal, which otherwise materialises every weight in torch). */
 #define ROWS 8
 #define PV_ROWS 4
 void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint16_t *k, const uint16_t *v,
                              uint16_t *out, int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale,
-                             int threads) {
+                             int threads, float *share) {
     if (Nq <= 0 || T <= 0) return;
     const int64_t G = H / KV, np = hd / 2, T16 = (T + 15) / 16 * 16, T2 = T16 / 2;
     uint32_t *kpk = (uint32_t *)aligned_alloc(64, (size_t)KV * T16 * np * 4);
     uint32_t *vpk = (uint32_t *)aligned_alloc(64, (size_t)KV * T2 * hd * 4);
+    float *vn = share ? (float *)aligned_alloc(64, (size_t)KV * T16 * 4) : NULL;  /* |v| per KV head and key */
     const uint16_t *ku = k, *vu = v;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < KV * (T16 / 16); blk++) {  /* pack K and V, zero past T */
@@ -626,13 +644,23 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                 vd[d] = lo | (hi << 16);
             }
         }
+        if (vn)
+            for (int64_t t = 0; t < 16; t++) {
+                const int64_t j = b * 16 + t;
+                float n2 = 0.0f;
+                for (int64_t d = 0; d < hd && j < T; d++) {
+                    const float x = bf16_to_f32(vu[(j * KV + kvh) * hd + d]);
+                    n2 += x * x;
+                }
+                vn[kvh * T16 + j] = sqrtf(n2);
+            }
     }
     const int64_t nb = (Nq + ROWS - 1) / ROWS;
     #pragma omp parallel num_threads(threads)
     {
         float *sbuf = (float *)aligned_alloc(64, (size_t)ROWS * T16 * 4);
+        float *acc_t = share ? (float *)calloc((size_t)T16, 4) : NULL;  /* this thread's part of `share` */
         uint32_t *pbuf = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
-        uint32_t *plo = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KV * G * nb; task++) {
             const int64_t rb = nb - 1 - task / (KV * G), kvh = (task % (KV * G)) / G, g = task % G;
@@ -671,31 +699,33 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                 for (int64_t t = 0; t < n16; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sr + t));
                 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
                 __m512 acc = _mm512_setzero_ps();
-                uint32_t *pr = pbuf + r * T2, *pl = plo + r * T2;
+                uint32_t *pr = pbuf + r * T2;
                 for (int64_t t = 0; t < n16; t += 16) {
                     __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sr + t), mv));
                     acc = _mm512_add_ps(acc, e);
-                    /* e as hi + lo, both bf16 (16 bf16 = 8 key pairs): P V keeps ~16 bits of each weight */
-                    __m256bh hi = _mm512_cvtneps_pbh(e);
-                    __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_cvtpbh_ps(hi)));
-                    _mm256_storeu_si256((__m256i *)(pr + t / 2), (__m256i)hi);
-                    _mm256_storeu_si256((__m256i *)(pl + t / 2), (__m256i)lo);
+                    if (share) _mm512_store_ps(sr + t, e);
+                    /* e as bf16, 16 of them = 8 key pairs */
+                    _mm256_storeu_si256((__m256i *)(pr + t / 2), (__m256i)_mm512_cvtneps_pbh(e));
                 }
                 inv[r] = 1.0f / _mm512_reduce_add_ps(acc);
+                if (share) {  /* weight x |v| of each key this row sees */
+                    const __m512 iv = _mm512_set1_ps(inv[r]);
+                    const float *vr = vn + kvh * T16;
+                    for (int64_t t = 0; t < n16; t += 16)
+                        _mm512_storeu_ps(acc_t + t, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(sr + t), iv),
+                                                                    _mm512_load_ps(vr + t), _mm512_loadu_ps(acc_t + t)));
+                }
             }
             const uint32_t *vh = vpk + kvh * T2 * hd;
             for (int r = 0; r < nr; r += PV_ROWS) {  /* P V for PV_ROWS rows at a time: each V load serves them all */
                 const int m = nr - r < PV_ROWS ? nr - r : PV_ROWS;
                 const int64_t n2 = (lim[r + m - 1] + 15) / 16 * 8;  /* rows ascend: the last sees most */
-                const uint32_t *ph[PV_ROWS], *pl[PV_ROWS];
+                const uint32_t *ph[PV_ROWS];
                 for (int w = 0; w < PV_ROWS; w++) {
                     const int64_t rw = r + (w < m ? w : m - 1), own = (lim[rw] + 15) / 16 * 8;
-                    if (own < n2) {  /* a row's weights past its own keys are 0 */
+                    if (own < n2)  /* a row's weights past its own keys are 0 */
                         memset(pbuf + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
-                        memset(plo + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
-                    }
                     ph[w] = pbuf + rw * T2;
-                    pl[w] = plo + rw * T2;
                 }
                 for (int64_t d0 = 0; d0 < hd; d0 += 64) {
                     const int64_t nd = hd - d0 < 64 ? (hd - d0) / 16 : 4;
@@ -703,16 +733,13 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                     for (int w = 0; w < PV_ROWS; w++)
                         for (int d = 0; d < 4; d++) e[w][d] = _mm512_setzero_ps();
                     for (int64_t t2 = 0; t2 < n2; t2++) {
-                        __m512bh a[PV_ROWS], al[PV_ROWS];
-                        for (int w = 0; w < PV_ROWS; w++) {
-                            a[w] = (__m512bh)_mm512_set1_epi32((int)ph[w][t2]);
-                            al[w] = (__m512bh)_mm512_set1_epi32((int)pl[w][t2]);
-                        }
+                        __m512bh a[PV_ROWS];
+                        for (int w = 0; w < PV_ROWS; w++) a[w] = (__m512bh)_mm512_set1_epi32((int)ph[w][t2]);
                         const uint32_t *v0 = vh + t2 * hd + d0;
                         for (int d = 0; d < nd; d++) {
                             const __m512bh vv = (__m512bh)_mm512_loadu_si512(v0 + 16 * d);
                             for (int w = 0; w < PV_ROWS; w++)
-                                e[w][d] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(e[w][d], a[w], vv), al[w], vv);
+                                e[w][d] = _mm512_dpbf16_ps(e[w][d], a[w], vv);
                         }
                     }
                     for (int w = 0; w < m; w++) {
@@ -726,12 +753,17 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                 }
             }
         }
+        if (share) {
+            #pragma omp critical
+            for (int64_t t = 0; t < T; t++) share[t] += acc_t[t];
+            free(acc_t);
+        }
         free(sbuf);
         free(pbuf);
-        free(plo);
     }
     free(kpk);
     free(vpk);
+    free(vn);
 }
 """
 
@@ -744,7 +776,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
-    "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32],
+    "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -1135,12 +1167,14 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
 
 
 def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, share: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query rows q [Nq, H, hd] at ascending positions `q_pos` [Nq] over
     keys k/v [T, KV, hd] at positions 0..T-1 (a query sees the keys at or before its own
     position): a prefill chunk (q_pos = start..start+n-1) or CacheBlend's recomputed rows.
     bf16 in and out, fp32 scores and softmax (`attention_usable` must hold for the shapes).
-    What `sdpa` with a causal mask computes, on vdpbf16ps (kernels/cpu_gemv.py's C source)."""
+    What `sdpa` with a causal mask computes, on vdpbf16ps (kernels/cpu_gemv.py's C source).
+    `share` (fp32 [T], contiguous): added to, per key, its attention weight times the norm of
+    its value, summed over the rows and heads (what the kvreuse probe ranks cached tokens by)."""
     nq, h, hd = q.shape
     t, kv = k.shape[0], k.shape[1]
     if v.shape != k.shape or k.shape[-1] != hd or q_pos.shape != (nq,):
@@ -1148,9 +1182,13 @@ def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.
                          f"q_pos {tuple(q_pos.shape)}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()
+    if share is not None and (share.dtype != torch.float32 or share.shape != (t,) or not share.is_contiguous()):
+        raise ValueError(f"rows_attention: share must be a contiguous fp32 [{t}], got {share.dtype} "
+                         f"{tuple(share.shape)}")
     out = torch.empty_like(q)
     lib.agentmem_rows_attn_bf16(q.data_ptr(), q_pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale, torch.get_num_threads())
+                                nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale, torch.get_num_threads(),
+                                None if share is None else share.data_ptr())
     return out
 
 
