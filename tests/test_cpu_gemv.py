@@ -378,3 +378,67 @@ def test_rope_kernel_rotates_as_the_torch_path(lib, rows, heads, hd, monkeypatch
     assert (fast.float() - slow.float()).abs().max() <= 1e-2 * slow.float().abs().max()
     assert (fast != slow).float().mean() < 0.01  # the same rounding but for rare ties
     assert not cpu_gemv.rope_usable(x.float(), cos) and not cpu_gemv.rope_usable(x[..., :16], cos[:, :16])
+
+
+def _fake_model(hd: int = 64):
+    """What _Drift.bind and place_k read of a model: its RoPE and the device of its weights."""
+    from types import SimpleNamespace
+
+    from agentmem.engine.layers import Rotary
+
+    return SimpleNamespace(rotary=Rotary(hd, 10000.0, 4096), embed_tokens=SimpleNamespace(weight=torch.zeros(1)))
+
+
+def test_drift_kernel_shifts_each_group_as_the_torch_path(lib, monkeypatch):
+    """kvreuse's drift correction of one layer in C (bf16): each group's span, rows included,
+    moves by its mean drift, K rotated to each position; equal to the torch path up to one
+    bf16 rounding (the kernel sums in fp32 and rounds once)."""
+    from agentmem.kvreuse.fuser import _Drift
+
+    g = torch.Generator().manual_seed(3)
+    n_tok, layers, kv, hd = 700, 2, 3, 64
+    token_group = torch.full((n_tok,), -1)
+    token_group[20:300], token_group[300:650] = 0, 1
+    pos = torch.tensor([40, 120, 250, 330, 480, 600])
+    d = _Drift(pos, torch.tensor([0, 0, 0, 1, 1, 1]), torch.randn(layers, 6, kv, hd, generator=g).bfloat16(),
+               torch.randn(layers, 6, kv, hd, generator=g).bfloat16(), token_group, 2)
+    rows = torch.cat([pos, torch.tensor([10, 690])]).sort().values
+    k_raw = torch.randn(len(rows), kv, hd, generator=g).bfloat16()
+    v = torch.randn(len(rows), kv, hd, generator=g).bfloat16()
+    k_l = torch.randn(n_tok, kv, hd, generator=g).bfloat16()
+    v_l = torch.randn(n_tok, kv, hd, generator=g).bfloat16()
+    outs = []
+    for use in (None, lib):
+        monkeypatch.setattr(cpu_gemv, "_lib", use)
+        d.bind(_fake_model(hd), rows)
+        assert (d.lib is None) == (use is None)
+        k2, v2 = k_l.clone(), v_l.clone()
+        d.apply(1, k_raw, v, k2, v2)
+        outs.append((k2.float(), v2.float()))
+    (kt, vt), (kk, vk) = outs
+    assert not torch.equal(kt, k_l.float())  # it moved
+    assert torch.equal(kk[:20], k_l[:20].float()) and torch.equal(kk[650:], k_l[650:].float())  # outside the spans: not
+    tol = 2 ** -7 * (kt.abs() + 1)  # one bf16 rounding (the torch path rounds after each of its two steps)
+    assert ((kk - kt).abs() <= tol).all() and ((vk - vt).abs() <= 2 ** -7 * (vt.abs() + 1)).all()
+    with pytest.raises(ValueError, match="drift"):
+        cpu_gemv.drift(lib, k_l, v_l, torch.tensor([[0, 800]]), torch.zeros(1, kv, hd), torch.zeros(1, kv, hd),
+                       *_fake_model(hd).rotary.tables())
+
+
+def test_place_k_writes_rotated_chunks_where_it_is_told(lib, monkeypatch):
+    """place_k into the blend's K (the kernel a layer at a time, in bf16) equals the model's own
+    rotation, and without the kernel the same lands there too."""
+    from agentmem.kvreuse.fuser import place_k
+
+    model = _fake_model()
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(3, 50, 3, 64, generator=g).bfloat16()
+    positions = torch.arange(200, 250)
+    ref = model.rotary.apply(k, positions)
+    for use in (lib, None):
+        monkeypatch.setattr(cpu_gemv, "_lib", use)
+        dest = torch.zeros(3, 300, 3, 64).bfloat16()
+        got = place_k(model, k, positions, out=dest[:, 200:250])
+        assert torch.equal(dest[:, 200:250], ref) and torch.equal(got, ref)
+        assert not dest[:, :200].any() and not dest[:, 250:].any()
+    assert torch.equal(place_k(model, k, positions), ref)

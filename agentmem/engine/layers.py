@@ -91,6 +91,11 @@ class Rotary:
         self._cos, self._sin = self._cos.to(device), self._sin.to(device)
         return self
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (cos, signed sin) tables, [positions, head_dim] fp32 each (for kernels that
+        index them by position themselves)."""
+        return self._cos, self._sin
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables at `positions` [N] -> (cos, signed sin), each [N, head_dim] fp32."""
         return self._cos[positions], self._sin[positions]

@@ -449,6 +449,43 @@ void agentmem_rope_bf16(const uint16_t *x, int64_t ldx, const float *cs, const f
     }
 }
 
+/* The kvreuse drift correction of one layer (kvreuse/fuser.py `_Drift.apply`): every token t
+   of group g's span [spans[2g], spans[2g+1]) of k, v (bf16 [T, KV, hd], in place) gets that
+   group's mean drift: v += dv[g], and k += dk[g] rotated to t, i.e. dk * cos[t] + swap(dk) *
+   sin[t] (swap exchanges a head's halves; cs/sn are the model's fp32 RoPE tables [positions,
+   hd], the sin signed), summed in fp32 and rounded once. dk, dv fp32 [G, KV, hd]; hd a multiple
+   of 32. One call a layer instead of three torch ops per group. */
+void agentmem_drift_bf16(uint16_t *k, uint16_t *v, const int64_t *spans, int64_t G, const float *dk,
+                         const float *dv, const float *cs, const float *sn, int64_t KV, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t lo = spans[2 * g], hi = spans[2 * g + 1];
+        const float *dkg = dk + g * KV * hd, *dvg = dv + g * KV * hd;
+        #pragma omp parallel for if (hi - lo > 64) schedule(static)
+        for (int64_t t = lo; t < hi; t++) {
+            const float *c = cs + t * hd, *s = sn + t * hd;
+            for (int64_t h = 0; h < KV; h++) {
+                uint16_t *kr = k + (t * KV + h) * hd, *vr = v + (t * KV + h) * hd;
+                const float *a = dkg + h * hd, *dvh = dvg + h * hd;
+                for (int64_t d = 0; d < half; d += 16) {
+                    const __m512 a0 = _mm512_loadu_ps(a + d), a1 = _mm512_loadu_ps(a + half + d);
+                    __m512 lo_ = _mm512_add_ps(load_bf16(kr + d), _mm512_add_ps(_mm512_mul_ps(a0, _mm512_loadu_ps(c + d)),
+                                                                              _mm512_mul_ps(a1, _mm512_loadu_ps(s + d))));
+                    __m512 hi_ = _mm512_add_ps(load_bf16(kr + half + d),
+                                               _mm512_add_ps(_mm512_mul_ps(a1, _mm512_loadu_ps(c + half + d)),
+                                                             _mm512_mul_ps(a0, _mm512_loadu_ps(s + half + d))));
+                    _mm256_storeu_si256((__m256i *)(kr + d), (__m256i)_mm512_cvtneps_pbh(lo_));
+                    _mm256_storeu_si256((__m256i *)(kr + half + d), (__m256i)_mm512_cvtneps_pbh(hi_));
+                }
+                for (int64_t d = 0; d < hd; d += 16) {
+                    const __m512 x = _mm512_add_ps(load_bf16(vr + d), _mm512_loadu_ps(dvh + d));
+                    _mm256_storeu_si256((__m256i *)(vr + d), (__m256i)_mm512_cvtneps_pbh(x));
+                }
+            }
+        }
+    }
+}
+
 /* RMSNorm of bf16 rows as the engine's bf16 path computes it: normalised in fp32, rounded to
    bf16, then multiplied by the bf16 weight and rounded again. x, y [M, D] bf16 (rows ldx and D
    apart), w [D] bf16. One call instead of four torch ops per norm (61 a decode token). */
@@ -777,6 +814,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
+    "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -1076,6 +1114,43 @@ def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """x [N, heads, hd] rotated by its positions' tables (`Rotary.cos_sin`), as `layers.rotate`
     computes it, into a new contiguous bf16 tensor (`rope_usable` must hold)."""
     return rotate_rows(lib.agentmem_rope_bf16, torch.bfloat16, x, cos, sin)
+
+
+def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """`rope` of x [N, heads, hd] written into `out` (a contiguous bf16 tensor of x's shape, e.g. a
+    slice of the blend's K of one layer) instead of a new tensor (`rope_usable` must hold)."""
+    if not (rope_usable(x, cos) and out.dtype == torch.bfloat16 and out.shape == x.shape and out.is_contiguous()):
+        raise ValueError(f"rope_into: x {x.dtype} {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    n, heads, hd = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib.agentmem_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, heads, hd)
+
+
+def drift_usable(k: torch.Tensor) -> bool:
+    """Whether `drift` takes a layer's K (and V) [T, KV, hd]: bf16, contiguous, on the CPU, hd a
+    multiple of 32."""
+    return (k.dtype == torch.bfloat16 and k.device.type == "cpu" and k.dim() == 3 and k.is_contiguous()
+            and k.shape[-1] % 32 == 0)
+
+
+def drift(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, spans: torch.Tensor, dk: torch.Tensor,
+          dv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+    """Add each group's mean drift to its span of one layer's k, v [T, KV, hd] in place (bf16;
+    `drift_usable`): v += dv[g], k += dk[g] rotated to each position by the fp32 tables
+    [positions, hd] (`Rotary`'s whole tables). spans int64 [G, 2] (first, end); dk, dv fp32
+    [G, KV, hd]. What kvreuse's `_Drift.apply` computes in torch, in one call."""
+    g = spans.shape[0]
+    if not (drift_usable(k) and v.shape == k.shape and v.dtype == k.dtype and v.is_contiguous()
+            and dk.shape == dv.shape == (g, *k.shape[1:]) and dk.dtype == dv.dtype == torch.float32
+            and cos_table.dtype == sin_table.dtype == torch.float32 and cos_table.shape[-1] == k.shape[-1]
+            and (g == 0 or int(spans.max()) <= min(k.shape[0], cos_table.shape[0]))):
+        raise ValueError(f"drift: k {k.dtype} {tuple(k.shape)}, v {tuple(v.shape)}, spans {tuple(spans.shape)}, "
+                         f"dk {dk.dtype} {tuple(dk.shape)}, tables {tuple(cos_table.shape)}")
+    spans = spans.to(torch.int64).contiguous()
+    dk, dv = dk.contiguous(), dv.contiguous()
+    cos_table, sin_table = cos_table.contiguous(), sin_table.contiguous()
+    lib.agentmem_drift_bf16(k.data_ptr(), v.data_ptr(), spans.data_ptr(), g, dk.data_ptr(), dv.data_ptr(),
+                            cos_table.data_ptr(), sin_table.data_ptr(), k.shape[1], k.shape[2])
 
 
 def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
