@@ -77,7 +77,7 @@ def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized
     assert torch.allclose(p(x), x @ ref_w.t() + b, atol=1e-4)
 
 
-def test_rms_norm_and_rope_match_torch(lib):
+def test_rms_norm_and_rope_match_torch(lib, monkeypatch):
     import torch.nn.functional as F
 
     from agentmem.engine.layers import rotate
@@ -95,6 +95,13 @@ def test_rms_norm_and_rope_match_torch(lib):
     y = cpu_avx2.rope(lib, q, cos, sin)
     assert y.is_contiguous() and torch.allclose(y, ref, atol=1e-6)
     assert torch.allclose(rotate(q, cos, sin), ref, atol=1e-6)  # what the engine's layers call
+    many = torch.randn(300, 15 * 64, generator=g)[:, :12 * 64].view(300, 12, 64)  # a prefill's q and k
+    cos, sin = torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g)
+    ref = many * cos[:, None, :] + many.reshape(300, 12, 2, 32).flip(-2).reshape(300, 12, 64) * sin[:, None, :]
+    calls = []
+    real = cpu_avx2.rope
+    monkeypatch.setattr(cpu_avx2, "rope", lambda *a: calls.append(1) or real(*a))
+    assert torch.allclose(rotate(many, cos, sin), ref, atol=1e-6) and calls == [1]  # any number of rows
 
 
 @pytest.mark.parametrize("rows,width,heads,kv_heads,hd", [(1, 300, 9, 3, 64), (3, 37, 8, 8, 32), (2, 5, 4, 1, 128)])

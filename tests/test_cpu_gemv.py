@@ -357,10 +357,11 @@ def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
     assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it
 
 
-@pytest.mark.parametrize("rows,heads,hd", [(1, 12, 64), (7, 4, 32), (16, 6, 128)])
+@pytest.mark.parametrize("rows,heads,hd", [(1, 12, 64), (7, 4, 32), (16, 6, 128), (300, 12, 64)])
 def test_rope_kernel_rotates_as_the_torch_path(lib, rows, heads, hd, monkeypatch):
-    """Decode rows inside the fused qkv output (heads adjacent, rows strided) are rotated in one
-    C call, to what `layers.rotate`'s torch ops give (fp32 products and sum, bf16 rounding)."""
+    """Rows inside the fused qkv output (heads adjacent, rows strided), decode's few or a
+    prefill's many (the kernel's threads split those), are rotated in one C call, to what
+    `layers.rotate`'s torch ops give (fp32 products and sum, bf16 rounding)."""
     from agentmem.engine import layers
 
     g = torch.Generator().manual_seed(rows)
