@@ -443,3 +443,37 @@ def test_place_k_writes_rotated_chunks_where_it_is_told(lib, monkeypatch):
         assert torch.equal(dest[:, 200:250], ref) and torch.equal(got, ref)
         assert not dest[:, :200].any() and not dest[:, 250:].any()
     assert torch.equal(place_k(model, k, positions), ref)
+
+
+@pytest.mark.parametrize("rows,inner", [(2, 1536), (300, 1536), (5, 40)])
+def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
+    """SwiGLU's silu(gate) * up in one C call: the same bf16 values as torch's two ops, for
+    the fused gate/up output (a width not a multiple of 16 too); Block.finish takes it for
+    more than one bf16 row."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rows)
+    gu = (torch.randn(rows, 2 * inner, generator=g) * 4).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    got = cpu_gemv.silu_mul(lib, gu)
+    ref = F.silu(gate) * up
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    assert (got != ref).float().mean() < 1e-3 and (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_gemv.silu_mul(lib, gu.float())
+    calls = []
+    real = cpu_gemv.silu_mul
+    monkeypatch.setattr(cpu_gemv, "silu_mul", lambda *a: calls.append(1) or real(*a))
+    from agentmem.engine.model import Block, ModelArgs
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, vocab_size=10, hidden_dim=inner,
+                     norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64)
+    block = Block(args, 0).to(torch.bfloat16)
+    block.fuse()
+    block.pack("bf16")
+    h, att = torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(rows, 2, 32, generator=g).bfloat16()
+    fast = block.finish(h, att)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_gemv, "loaded", lambda: None)  # torch's ops (and products)
+    slow = block.finish(h, att)
+    assert calls == [1] and (slow.float() - fast.float()).abs().max() <= 2e-2 * slow.float().abs().max()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import cpu_gemv
 from .layers import AttnBackend, RMSNorm, Rotary
 from .linear import Proj
 
@@ -122,7 +123,13 @@ class Block(nn.Module):
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
         h = h + self.o_p(attn_out.reshape(attn_out.shape[0], -1))
-        gate, up = self.gate_up_p(self.post_norm(h)).chunk(2, dim=-1)
+        gu = self.gate_up_p(self.post_norm(h))
+        if (gu.dtype == torch.bfloat16 and gu.device.type == "cpu" and gu.dim() == 2 and gu.shape[0] > 1
+                and gu.stride(1) == 1 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
+            # one C call, bit-identical (Zen 4 VM, 2 threads: 2,048 rows 0.95 against 2.14 ms, 320 rows
+            # 0.14 against 0.25, 8 rows 0.010 against 0.013; one row is faster through torch)
+            return h + self.down_p(cpu_gemv.silu_mul(lib, gu))
+        gate, up = gu.chunk(2, dim=-1)
         return h + self.down_p(F.silu(gate) * up)
 
     def forward(

@@ -486,6 +486,30 @@ void agentmem_drift_bf16(uint16_t *k, uint16_t *v, const int64_t *spans, int64_t
     }
 }
 
+/* SwiGLU's gate: y = silu(g) * u for bf16 rows gu [N, 2I] (g the first I of a row, u the rest:
+   the fused gate/up projection's output, rows ld apart), y [N, I] contiguous. Rounded as
+   torch's two ops round: silu(g) in fp32 to bf16, then its product with u to bf16. One call
+   instead of two torch ops and their temporaries (2,048 rows: 2.4 ms a layer in torch). */
+void agentmem_silu_mul_bf16(const uint16_t *gu, int64_t ld, uint16_t *y, int64_t N, int64_t I) {
+    #pragma omp parallel for if (N > 16) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *g = gu + n * ld, *u = g + I;
+        uint16_t *yr = y + n * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const __m512 x = load_bf16(g + i);
+            const __m512 sg = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            const __m512 s16 = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sg));  /* silu's own bf16 rounding */
+            _mm256_storeu_si256((__m256i *)(yr + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s16, load_bf16(u + i))));
+        }
+        for (; i < I; i++) {
+            const float x = bf16_to_f32(g[i]);
+            const float sg = bf16_to_f32(to_bf16(x / (1.0f + expf(-x))));
+            yr[i] = to_bf16(sg * bf16_to_f32(u[i]));
+        }
+    }
+}
+
 /* RMSNorm of bf16 rows as the engine's bf16 path computes it: normalised in fp32, rounded to
    bf16, then multiplied by the bf16 weight and rounded again. x, y [M, D] bf16 (rows ldx and D
    apart), w [D] bf16. One call instead of four torch ops per norm (61 a decode token). */
@@ -815,6 +839,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
+    "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -1124,6 +1149,17 @@ def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     n, heads, hd = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     lib.agentmem_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, heads, hd)
+
+
+def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u of bf16 rows gu [N, 2I] (g = gu[:, :I], u = gu[:, I:]; each row contiguous),
+    as torch's two ops compute and round it, in one call: [N, I] bf16."""
+    n, two_i = gu.shape
+    if gu.dtype != torch.bfloat16 or gu.device.type != "cpu" or two_i % 2 or gu.stride(1) != 1:
+        raise ValueError(f"silu_mul: gu {gu.dtype} {tuple(gu.shape)} strides {gu.stride()}")
+    y = torch.empty(n, two_i // 2, dtype=torch.bfloat16)
+    lib.agentmem_silu_mul_bf16(gu.data_ptr(), gu.stride(0), y.data_ptr(), n, two_i // 2)
+    return y
 
 
 def drift_usable(k: torch.Tensor) -> bool:
