@@ -115,7 +115,8 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
     that model's RoPE (its scaling included): the Triton kernel on CUDA (fed the model's
     inverse frequencies); on the CPU the model's own Rotary, bit-identical to its forward (in
     bf16 on an AVX512-BF16 CPU, the engine's RoPE kernel a layer at a time, written straight
-    into `out`: session 29, 27 -> 7 ms for a 2k-token blend's 8 chunks on a Zen 4 VM).
+    into `out`: session 29, Zen 4 VM, a 2k-token blend's 8 chunks 38 -> 9 ms in one check; in
+    `bench blend` the place part stayed ~27 ms, which also holds allocating the blend's K/V).
     With `out` ([L, n, KV, hd], e.g. the blend's K at the chunk's place) the result goes there."""
     layers, n, kv_heads, hd = k.shape
     if k.is_cuda:
@@ -400,7 +401,7 @@ class _Drift:
             self.spans.append((lo, hi, cos[:, None, :], sin[:, None, :]))
         # the engine's C kernel where it takes the layers' K (bf16 on an AVX512-BF16 CPU): one
         # call a layer, reading the model's whole RoPE tables (session 29, Zen 4 VM: the drift
-        # part of a 2k-token blend 34 -> 8 ms)
+        # part of `bench blend` 0.030 -> 0.014 s)
         self.lib = cpu_gemv.loaded() if model.embed_tokens.weight.device.type == "cpu" else None
         self.span_t = torch.tensor([(lo, hi) for lo, hi, _, _ in self.spans], dtype=torch.int64).view(-1, 2)
         self.tables = model.rotary.tables()
