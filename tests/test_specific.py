@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from agentmem.tiers.query import content_terms
-from agentmem.tiers.specific import EXPONENT, MIN_MESSAGES, TermStats
+from agentmem.tiers.specific import EXPONENT, MIN_MESSAGES, TermStats, topical
 
 CHATTER = "Working from home today, still in pyjamas at 3pm"
 
@@ -91,3 +91,21 @@ def test_candidates_with_no_content_word_at_all_weigh_zero():
     stats.add(4001, [])
     assert stats.weights([1001, 4001]) == {1001: 0.0, 4001: 0.0}
     assert stats.weights([4001, 1000])[1000] == pytest.approx(1.0)
+
+
+def test_numerals_do_not_make_repeated_small_talk_specific():
+    """"still in pyjamas at 7pm" / "at 9pm": each numeral is rare, so counted as words they made
+    every repeat look specific; `topical` (what the recall index counts) leaves them out, and a
+    fact stated with a number keeps its words."""
+    assert topical(["pyjamas", "7pm", "2019", "3", "fountain", "pens"]) == ["pyjamas", "fountain", "pens"]
+    raw, kept = TermStats(), TermStats()
+    for i in range(80):
+        text = f"Working from home today, still in pyjamas at {i % 12 + 1}pm, {i} emails"
+        raw.add(i, content_terms(text))
+        kept.add(i, topical(content_terms(text)))
+    fact = "I counted my fountain pens: 212"
+    raw.add(500, content_terms(fact))
+    kept.add(500, topical(content_terms(fact)))
+    assert raw.weight(3) > 0.3  # the numerals alone made a repeat look half as specific as a fact
+    assert kept.weight(3) < 0.01
+    assert kept.weight(500) == pytest.approx(1.0)

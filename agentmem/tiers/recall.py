@@ -55,7 +55,7 @@ from .byte_lru import ByteLRU
 from .keys import context_view, unprefixed
 from .query import ParsedQuery, content_terms, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta, own_reply
-from .specific import TermStats
+from .specific import TermStats, topical
 from .timeparse import warm_up
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
@@ -115,7 +115,8 @@ _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT, _VIEW_SENTENCE = 0, 1, 2
 SENTENCE_MIN_WORDS = 16  # a turn this long with two sentences or more gets a vector per sentence too
 _SENTENCE = re.compile(r"(?<=[.!?…])\s+(?=\S)|\n+")
-_INDEX_VERSION = 8  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics
+_INDEX_VERSION = 9  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics;
+# 9: no numerals among them (specific.topical)
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -261,7 +262,7 @@ class UserIndex:
         names = {p for s in self.speakers for p in words(s)}
         for m in messages:
             self.info[m.id] = information(m.text, names)
-            self.terms.add(m.id, content_terms(m.text, names))
+            self.terms.add(m.id, topical(content_terms(m.text, names)))
             if _only_asks(m.text):
                 self.asks.add(m.id)
 
