@@ -262,7 +262,7 @@ def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, h
     out = cpu_gemv.rows_attention(lib, q, k, v, pos)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     ref = _causal_reference(q, k, v, pos)
-    # fp32 scores and softmax, the weights rounded to bf16 (as the output is): the rounding is the error
+    # fp32 scores and softmax, the weights as two bf16 each: the bf16 output's rounding is the error
     assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
     from agentmem.engine.kernels.reference import sdpa
     torch_bf16 = sdpa(q, k, v, torch.arange(keys)[None, :] <= pos[:, None]).float()

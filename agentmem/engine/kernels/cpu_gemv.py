@@ -659,20 +659,18 @@ void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint
    64-byte vector) and V as [T2, hd, 2] (two keys' values of each dim side by side), so both
    products run on vdpbf16ps without horizontal sums: scores for 16 keys of 8 query rows per
    pass over a K block, and P times V two keys per instruction, P (the fp32 softmax
-   numerators, normalised by their fp32 sum at the end) rounded to bf16.
+   numerators) as the sum of two bf16 (hi, and the rest), so the weights keep ~16 bits.
    Each task is (KV head, query head of its group, 8 rows): its scores go to a per-thread
    buffer (exact two-pass softmax in fp32), then its outputs are summed over V 4 rows at a
    time (each V load serves 4 rows). Against torch's SDPA in bf16, on 2,048 causal tokens of
    SmolLM2's heads (9 of 64, 3 KV; AMD EPYC, 2 threads): 11.5 against 34.8 ms, and a lower
-   mean error against an fp32 reference (7.8e-5 against 1.2e-4). That kernel kept P as the sum
-   of two bf16 (hi + lo: ~16 bits a weight), which doubled the P V products. Session 29 (AMD
-   EPYC Zen 4 VM, 400 GFLOP/s bf16, 2 threads; 2,048 causal tokens): hi + lo 22-24 ms, of which
-   P V ~12 ms; P as one bf16 17-19 ms. The rounding of a weight (2^-9 relative, unbiased) is
-   the size of the output's own bf16 rounding and averages over the keys: on random peaky
-   scores the mean error against fp32 is 2.7e-4 against 2.0e-4 (SDPA bf16 2.0e-4, max errors
-   equal), and through the whole bf16 model the KL of the next-token distribution against
-   fp32 is the same (512 tokens: 8.01e-4 against 8.03e-4; 2,048: 7.22e-4 against 7.13e-4;
-   perplexity 8.4559 / 8.4728 against fp32's 8.4604). So P is one bf16.
+   mean error against an fp32 reference (7.8e-5 against 1.2e-4). Session 29 (AMD EPYC Zen 4
+   VM, 400 GFLOP/s bf16, 2 threads; 2,048 causal tokens): 22-24 ms, of which P V (two products
+   per key pair) ~12 ms; with P as one bf16, 17-19 ms, and through the whole bf16 model the
+   same KL against fp32 (512 tokens: 8.01e-4 against 8.03e-4; 2,048: 7.22e-4 against 7.13e-4).
+   But `bench memory`'s answers (15 questions, the 135M model, one sampling seed) went 0.60 ->
+   0.33 with it (reflected 0.73 -> 0.60), bisected to this change alone; so hi + lo stays until
+   a run over several sampling seeds says the drop is noise.
    `share` (NULL: none) [T] fp32 is added to, per key, what it gives the outputs: its attention
    weight times the norm of its value, summed over the rows and heads (the kvreuse probe's
    selection signal, which otherwise materialises every weight in torch). */
@@ -720,6 +718,7 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
     #pragma omp parallel num_threads(threads)
     {
         float *sbuf = (float *)aligned_alloc(64, (size_t)ROWS * T16 * 4);
+        uint32_t *plo = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
         float *acc_t = share ? (float *)calloc((size_t)T16, 4) : NULL;  /* this thread's part of `share` */
         uint32_t *pbuf = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
         #pragma omp for schedule(dynamic, 1)
@@ -760,13 +759,16 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                 for (int64_t t = 0; t < n16; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sr + t));
                 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
                 __m512 acc = _mm512_setzero_ps();
-                uint32_t *pr = pbuf + r * T2;
+                uint32_t *pr = pbuf + r * T2, *pl = plo + r * T2;
                 for (int64_t t = 0; t < n16; t += 16) {
                     __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sr + t), mv));
                     acc = _mm512_add_ps(acc, e);
                     if (share) _mm512_store_ps(sr + t, e);
-                    /* e as bf16, 16 of them = 8 key pairs */
-                    _mm256_storeu_si256((__m256i *)(pr + t / 2), (__m256i)_mm512_cvtneps_pbh(e));
+                    /* e as hi + lo, both bf16 (16 bf16 = 8 key pairs): P V keeps ~16 bits of each weight */
+                    __m256bh hi = _mm512_cvtneps_pbh(e);
+                    __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_cvtpbh_ps(hi)));
+                    _mm256_storeu_si256((__m256i *)(pr + t / 2), (__m256i)hi);
+                    _mm256_storeu_si256((__m256i *)(pl + t / 2), (__m256i)lo);
                 }
                 inv[r] = 1.0f / _mm512_reduce_add_ps(acc);
                 if (share) {  /* weight x |v| of each key this row sees */
@@ -781,12 +783,15 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
             for (int r = 0; r < nr; r += PV_ROWS) {  /* P V for PV_ROWS rows at a time: each V load serves them all */
                 const int m = nr - r < PV_ROWS ? nr - r : PV_ROWS;
                 const int64_t n2 = (lim[r + m - 1] + 15) / 16 * 8;  /* rows ascend: the last sees most */
-                const uint32_t *ph[PV_ROWS];
+                const uint32_t *ph[PV_ROWS], *pl[PV_ROWS];
                 for (int w = 0; w < PV_ROWS; w++) {
                     const int64_t rw = r + (w < m ? w : m - 1), own = (lim[rw] + 15) / 16 * 8;
-                    if (own < n2)  /* a row's weights past its own keys are 0 */
+                    if (own < n2) {  /* a row's weights past its own keys are 0 */
                         memset(pbuf + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
+                        memset(plo + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
+                    }
                     ph[w] = pbuf + rw * T2;
+                    pl[w] = plo + rw * T2;
                 }
                 for (int64_t d0 = 0; d0 < hd; d0 += 64) {
                     const int64_t nd = hd - d0 < 64 ? (hd - d0) / 16 : 4;
@@ -794,13 +799,16 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                     for (int w = 0; w < PV_ROWS; w++)
                         for (int d = 0; d < 4; d++) e[w][d] = _mm512_setzero_ps();
                     for (int64_t t2 = 0; t2 < n2; t2++) {
-                        __m512bh a[PV_ROWS];
-                        for (int w = 0; w < PV_ROWS; w++) a[w] = (__m512bh)_mm512_set1_epi32((int)ph[w][t2]);
+                        __m512bh a[PV_ROWS], al[PV_ROWS];
+                        for (int w = 0; w < PV_ROWS; w++) {
+                            a[w] = (__m512bh)_mm512_set1_epi32((int)ph[w][t2]);
+                            al[w] = (__m512bh)_mm512_set1_epi32((int)pl[w][t2]);
+                        }
                         const uint32_t *v0 = vh + t2 * hd + d0;
                         for (int d = 0; d < nd; d++) {
                             const __m512bh vv = (__m512bh)_mm512_loadu_si512(v0 + 16 * d);
                             for (int w = 0; w < PV_ROWS; w++)
-                                e[w][d] = _mm512_dpbf16_ps(e[w][d], a[w], vv);
+                                e[w][d] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(e[w][d], a[w], vv), al[w], vv);
                         }
                     }
                     for (int w = 0; w < m; w++) {
@@ -821,6 +829,7 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
         }
         free(sbuf);
         free(pbuf);
+        free(plo);
     }
     free(kpk);
     free(vpk);
