@@ -390,21 +390,20 @@ class _Drift:
     def bind(self, model: Transformer, rows: torch.Tensor) -> None:
         """Fix, once the selection is made, what every layer's `apply` reuses: where the samples
         are among the rows, each group's span of positions (first to last token: the tokens
-        of no group inside it are rows) and the RoPE tables there."""
+        of no group inside it are rows) and the model's whole RoPE tables (a span's rows are a
+        slice of them)."""
         self.rows_at = torch.searchsorted(rows, self.pos)
         self.inv_count = (1.0 / torch.bincount(self.group, minlength=self.n_groups).float())[:, None, None]
         self.spans = []
         for g in range(self.n_groups):
             at = (self.token_group == g).nonzero()[:, 0]
-            lo, hi = int(at[0]), int(at[-1]) + 1
-            cos, sin = model.rotary.cos_sin(torch.arange(lo, hi, device=at.device))
-            self.spans.append((lo, hi, cos[:, None, :], sin[:, None, :]))
-        # the engine's C kernel where it takes the layers' K (bf16 on an AVX512-BF16 CPU): one
-        # call a layer, reading the model's whole RoPE tables (session 29, Zen 4 VM: the drift
-        # part of `bench blend` 0.030 -> 0.014 s)
-        self.lib = cpu_gemv.loaded() if model.embed_tokens.weight.device.type == "cpu" else None
-        self.span_t = torch.tensor([(lo, hi) for lo, hi, _, _ in self.spans], dtype=torch.int64).view(-1, 2)
+            self.spans.append((int(at[0]), int(at[-1]) + 1))
+        self.span_t = torch.tensor(self.spans, dtype=torch.int64).view(-1, 2)
         self.tables = model.rotary.tables()
+        # the engine's C kernel where it takes the layers' K (bf16 on an AVX512-BF16 CPU): one
+        # call a layer, reading the tables by position (session 29, Zen 4 VM: the drift part
+        # of `bench blend` 0.030 -> 0.014 s)
+        self.lib = cpu_gemv.loaded() if model.embed_tokens.weight.device.type == "cpu" else None
 
     def apply(self, idx: int, k_raw: torch.Tensor, v: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
         """Layer `idx`: given the rows' fresh K before RoPE and V, shift k_l / v_l in place by
@@ -423,10 +422,11 @@ class _Drift:
             return
         hd = dk.shape[-1]
         swapped = dk.view(*shape[:-1], 2, hd // 2).flip(-2).view(shape)  # rotate-half's partner of each lane
-        for g, (lo, hi, cos, sin) in enumerate(self.spans):
+        cos, sin = self.tables
+        for g, (lo, hi) in enumerate(self.spans):
             k_g = k_l[lo:hi]
-            k_g.addcmul_(cos, dk[g])
-            k_g.addcmul_(sin, swapped[g])
+            k_g.addcmul_(cos[lo:hi, None, :], dk[g])
+            k_g.addcmul_(sin[lo:hi, None, :], swapped[g])
             v_l[lo:hi] += dv[g]
 
 

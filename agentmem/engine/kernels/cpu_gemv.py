@@ -718,9 +718,9 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
     #pragma omp parallel num_threads(threads)
     {
         float *sbuf = (float *)aligned_alloc(64, (size_t)ROWS * T16 * 4);
+        uint32_t *pbuf = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
         uint32_t *plo = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
         float *acc_t = share ? (float *)calloc((size_t)T16, 4) : NULL;  /* this thread's part of `share` */
-        uint32_t *pbuf = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KV * G * nb; task++) {
             const int64_t rb = nb - 1 - task / (KV * G), kvh = (task % (KV * G)) / G, g = task % G;
@@ -1083,12 +1083,13 @@ def rope_takes(x: torch.Tensor, cos: torch.Tensor, dtype: torch.dtype, multiple:
 
 
 def rotate_rows(fn: Callable[..., None], dtype: torch.dtype, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, heads, hd] (`dtype`) rotated by its positions' tables (`Rotary.cos_sin`) by `fn` (a
-    library's `agentmem_*rope*`), into a new contiguous tensor of `dtype` (`rope_takes` must hold)."""
+    library's `agentmem_*rope*`), into `out` (contiguous, x's shape and `dtype`) or a new
+    contiguous tensor (`rope_takes` must hold)."""
     n, heads, hd = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty(n, heads, hd, dtype=dtype)
+    y = torch.empty(n, heads, hd, dtype=dtype) if out is None else out
     fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd)
     return y
 
@@ -1155,9 +1156,7 @@ def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     slice of the blend's K of one layer) instead of a new tensor (`rope_usable` must hold)."""
     if not (rope_usable(x, cos) and out.dtype == torch.bfloat16 and out.shape == x.shape and out.is_contiguous()):
         raise ValueError(f"rope_into: x {x.dtype} {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
-    n, heads, hd = x.shape
-    cos, sin = cos.contiguous(), sin.contiguous()
-    lib.agentmem_rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, heads, hd)
+    rotate_rows(lib.agentmem_rope_bf16, torch.bfloat16, x, cos, sin, out=out)
 
 
 def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
