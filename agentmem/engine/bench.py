@@ -345,13 +345,16 @@ def main(argv: list[str]) -> int:
     loop = decode_loop(engine, False, pool_tokens)
     compiled = decode_loop(engine, True, pool_tokens)
     on = compiled.runner.compiled is not None
-    int8 = engine if weights == "int8" else Engine.load(engine.config.model_copy(update={"weights": "int8"}))
-    loop8 = decode_loop(int8, on, pool_tokens)
+    # int8 weights run on the CPU only (linear.py): on a GPU its figures are null
+    int8 = (engine if weights == "int8" else Engine.load(engine.config.model_copy(update={"weights": "int8"}))
+            if device.type == "cpu" else None)
+    loop8 = decode_loop(int8, on, pool_tokens) if int8 is not None else None
     ours_prefill_s(engine, loop, ids[:64])  # warm up both
     hf_prefill_s(hf, ids[:64], device)
     log("compiling the decode step (or loading it from the disk cache) ...")
     for lp, e in ((compiled, engine), (loop8, int8)):  # the buckets the runs below use
-        ours_decode_tok_s(e, lp, chat, 3)
+        if e is not None:
+            ours_decode_tok_s(e, lp, chat, 3)
     ours_batch(engine, compiled, [story_prompt(engine, i, tag=99) for i in range(args.streams)], 3)
     compile_s = compiled.runner.compiled.compile_s if on else None
     default = compiled if on else loop
@@ -376,7 +379,8 @@ def main(argv: list[str]) -> int:
         ours_dec.append(ours_decode_tok_s(engine, loop, chat, args.new_tokens))
         if on:
             ours_comp.append(ours_decode_tok_s(engine, compiled, chat, args.new_tokens))
-        ours_int8.append(ours_decode_tok_s(int8, loop8, chat, args.new_tokens))
+        if int8 is not None:
+            ours_int8.append(ours_decode_tok_s(int8, loop8, chat, args.new_tokens))
         hf_one.append(hf_generate_s(hf, chat_ids, 1, device))
         hf_all.append(hf_generate_s(hf, chat_ids, args.new_tokens, device))
     hf_decode = (args.new_tokens - 1) / (min(hf_all) - min(hf_one))
@@ -408,10 +412,13 @@ def main(argv: list[str]) -> int:
     err = max_logit_err(fp32, hf if fp32 is engine else load_hf(path, torch.float32, device), err_ids)
     ppl_fp32, ref = perplexity(fp32, err_ids)
     ppl_own, _ = perplexity(engine, err_ids)
-    ppl_int8, int8_logits = perplexity(int8, err_ids)
-    ppl = {"fp32": round(ppl_fp32, 4), weights: round(ppl_own, 4), "int8": round(ppl_int8, 4)}
+    ppl = {"fp32": round(ppl_fp32, 4), weights: round(ppl_own, 4)}
     # the same tokens one at a time, through decode's products (int8: the GEMV route chosen here)
-    ppl_decode = {"int8": round(decode_perplexity(int8, err_ids), 4)}
+    ppl_decode, int8_logits = {}, None
+    if int8 is not None:
+        ppl_int8, int8_logits = perplexity(int8, err_ids)
+        ppl["int8"] = round(ppl_int8, 4)
+        ppl_decode["int8"] = round(decode_perplexity(int8, err_ids), 4)
     if weights != "int8":
         ppl_decode[weights] = round(decode_perplexity(engine, err_ids), 4)
     dense_fmt = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -438,7 +445,7 @@ def main(argv: list[str]) -> int:
         "compiled": on,
         "decode_tok_s_eager": round(eager, 2),
         "decode_tok_s_compiled": round(max(ours_comp), 2) if on else None,
-        "decode_tok_s_int8": round(max(ours_int8), 2),
+        "decode_tok_s_int8": round(max(ours_int8), 2) if ours_int8 else None,
         "compile_s": None if compile_s is None else round(compile_s, 1),
         "ttft_350_s": round(ttft, 3),
         "batch8_decode_tok_s" if args.streams == 8 else f"batch{args.streams}_decode_tok_s": round(rate, 1),
@@ -449,7 +456,7 @@ def main(argv: list[str]) -> int:
         "decode_perplexity": ppl_decode,
         "int8_route": (cpu_gemv.q8_route if cpu_gemv.loaded() is not None
                        else "avx2" if cpu_avx2.loaded() is not None else "torch"),
-        "int8_max_logit_err_vs_fp32": round(float((int8_logits - ref).abs().max()), 4),
+        "int8_max_logit_err_vs_fp32": None if int8_logits is None else round(float((int8_logits - ref).abs().max()), 4),
         "kv_utilization": round(util, 4),
         "dtype": str(dtype).removeprefix("torch."),
         "prefill_speedup_vs_hf": round(prefill * min(hf_pf) / args.prompt_tokens, 2),
@@ -464,7 +471,8 @@ def main(argv: list[str]) -> int:
                                             / args.prompt_tokens / (peak * 1e9), 1),
         "decode_bound_tok_s": round(bound, 1),
         "decode_pct_of_bandwidth_bound": round(100 * decode / bound, 1),
-        "decode_int8_pct_of_bandwidth_bound": round(100 * max(ours_int8) * decode_weight_bytes(margs, 1) / (mem * 1e9), 1),
+        "decode_int8_pct_of_bandwidth_bound": round(100 * max(ours_int8) * decode_weight_bytes(margs, 1) / (mem * 1e9), 1)
+        if ours_int8 else None,
         "cpu_flags": simd_flags(),
         **(llamacpp_figures(model_path, ids, chat_ids, args.new_tokens, threads)
            if model_path is None or model_path.suffix == ".gguf"

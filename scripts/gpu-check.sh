@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The CUDA checks and benchmarks behind the README's GPU figures ("GPU" in the README). Run on
+# a machine with a CUDA GPU and agentmem's dependencies (the weight package too) importable:
+#   bash scripts/gpu-check.sh [kernels|engine|all]
+# Each step has a time limit; its log (the benchmark's JSON is its last line) goes to
+# ${OUT:-gpu-out}/<step>.log, and the step's exit status and seconds are printed.
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+step() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "== $name (limit ${limit} s)"
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "   rc=$rc in $(( $(date +%s) - start )) s"
+    tail -n 6 "$out/$name.log" | cut -c1-1500
+}
+
+what=${1:-all}
+if [ "$what" = kernels ] || [ "$what" = all ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    step kernel-tests 150 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py
+    step kernel-bench 120 $py -m agentmem.cli bench kernels --json
+fi
+if [ "$what" = engine ] || [ "$what" = all ]; then
+    step cuda-tests 180 $py -m pytest -q -p no:cacheprovider -x tests/test_cuda.py
+    # compile=on: the decode step under CUDA graphs, timed beside eager in the same run
+    step engine-bench 240 env AGENTMEM_COMPILE=on $py -m agentmem.cli bench engine --json
+    step blend-bench 180 $py -m agentmem.cli bench blend --json --prompts 10
+fi
