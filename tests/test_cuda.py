@@ -10,6 +10,7 @@ import torch
 
 from agentmem.config import Config
 from agentmem.engine import Engine, Segment
+from agentmem.engine.cuda_graph import GraphDecode
 from agentmem.kvreuse import enable_chunk_reuse
 from agentmem.kvreuse.bench import kl
 
@@ -56,17 +57,26 @@ def test_batched_gpu_decode_equals_one_by_one(gpu32):
 
 
 def test_cuda_graph_decode_gives_the_eager_greedy_tokens(gpu32):
-    """compile=on on CUDA: each decode layer one compiled graph replayed under CUDA graphs."""
+    """compile=on (and auto) on CUDA: the whole decode step replayed from a captured graph."""
     e = Engine(gpu32.model, gpu32.tokenizer, gpu32.model_id, gpu32.device,
                Config(dtype="float32", device="cuda", kv_mode="full", compile="on"))
-    compiled = e.loop.runner.compiled
-    assert compiled is not None
-    compiled.background = False  # compile at first use: every step below runs compiled
+    graphs = e.loop.runner.compiled
+    assert isinstance(graphs, GraphDecode)
     prompt = e.chat_segments(STORY)
     got = e.generate(prompt, max_tokens=64).token_ids
-    assert compiled.failed is None, compiled.failed
-    assert compiled.ready
+    assert graphs.failed is None, graphs.failed
+    assert (1, 16) in graphs.ready and graphs.compile_s > 0
     assert got == gpu32.generate(prompt, max_tokens=64).token_ids
+    # three streams at once: a padded bucket of 4 rows
+    texts = ["Name three rivers in Europe.", "What is a haiku? Write one about rain.",
+             "Explain photosynthesis to a child in a long, patient answer."]
+    prompts = [e.chat_segments([{"role": "user", "content": t}]) for t in texts]
+    streams = [e.stream(p, max_tokens=24) for p in prompts]
+    for s in streams:
+        for _ in s:
+            pass
+    assert (4, 16) in graphs.ready
+    assert [s.result.token_ids for s in streams] == [gpu32.generate(p, max_tokens=24).token_ids for p in prompts]
 
 
 def test_blend_on_the_gpu_is_closer_to_full_than_reuse(tmp_path):

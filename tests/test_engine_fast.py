@@ -306,3 +306,25 @@ def test_a_measured_choice_is_remembered_remade_when_invalid_and_survives_a_bad_
     blocked.write_text("")
     assert remembered(blocked, "c.json", "k", measure)["rule"] == 4  # cannot be saved: still answered
     assert best_seconds(lambda: sum(range(1000)), 3) > 0 and isinstance(simd_flags(), str)
+
+
+def test_cuda_graph_buckets_and_their_static_inputs():
+    """The CUDA graph decode step's bucket rule and the layout of the one buffer a step fills
+    (the replay itself is tested on a GPU: test_cuda.py)."""
+    from types import SimpleNamespace
+
+    from agentmem.engine.cuda_graph import MIN_BLOCKS, GraphDecode
+
+    assert GraphDecode.bucket(1, 1) == (1, MIN_BLOCKS) and GraphDecode.bucket(3, 5) == (4, MIN_BLOCKS)
+    assert GraphDecode.bucket(8, 17) == (8, 32) and GraphDecode.bucket(33, 1) is None
+    pool = SimpleNamespace(num_blocks=40, block_size=16, scratch_slot=40 * 16, k=torch.empty(0))
+    g = GraphDecode(None, pool)
+    assert g.get(2, 100) is None  # 128 blocks of table: more than the pool holds
+    rows, width = 4, 16
+    buf = torch.full((4 * rows + rows * width,), -1, dtype=torch.long)
+    g._fill(buf, rows, width, [5, 6], [10, 20], [3, 41], [[0], [1, 2, 3]], [11, 21])
+    ids, pos, slots, lens, tables = g._views(buf, rows, width)
+    assert ids.tolist() == [5, 6, 0, 0] and pos.tolist() == [10, 20, 0, 0]
+    assert slots.tolist() == [3, 41, 640, 640] and lens.tolist() == [11, 21, 1, 1]  # padded rows: the scratch slot
+    assert tables[0, :2].tolist() == [0, 40] and tables[1, :4].tolist() == [1, 2, 3, 40]
+    assert (tables[2:] == 40).all()  # padded rows read the scratch block only

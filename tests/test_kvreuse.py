@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from agentmem.config import Config
+from agentmem.config import Config, resolve_kv_mode
 from agentmem.engine import Engine, Segment, attend
 from agentmem.engine.kernels import rope_ref, selected_attention_ref
 from agentmem.kvreuse import (
@@ -435,8 +435,12 @@ def test_engine_load_installs_reuse_unless_full(engine, tmp_path, monkeypatch):
     monkeypatch.setattr(engine_mod, "resolve_model_dir", lambda *a: tmp_path)
     monkeypatch.setattr(engine_mod, "load_transformer", lambda *a: engine.model)
     monkeypatch.setattr(engine_mod, "load_tokenizer", lambda *a: engine.tokenizer)
-    blended = Engine.load(Config(dtype="float32", device="cpu", kv_disk_dir=tmp_path))
+    blended = Engine.load(Config(dtype="float32", device="cpu", kv_disk_dir=tmp_path))  # kv_mode auto
     assert isinstance(get_reuse(blended), ChunkReuse) and blended._planner is get_reuse(blended)
+    assert blended.config.kv_mode == "blend" and get_reuse(blended).mode == "blend"
+    assert resolve_kv_mode("auto", "cuda") == "full" and resolve_kv_mode("reuse", "cuda") == "reuse"
+    with pytest.raises(ValueError, match="kv_mode must be auto or one of"):
+        ChunkReuse(blended, Config(kv_mode="fast", kv_disk_dir=tmp_path))
     plain = Engine.load(Config(dtype="float32", device="cpu", kv_mode="full"))
     assert get_reuse(plain) is None and plain._planner is None
     assert engine._planner is None  # the shared fixture keeps plain prefill

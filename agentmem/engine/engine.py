@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ..config import Config, resolve_kv_mode
 from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
@@ -247,6 +247,8 @@ class Engine(ChatText):
         if device.type == "cpu" and dtype == torch.bfloat16 and a.sliding_window is None:
             cpu_gemv.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
+        if (kv_mode := resolve_kv_mode(config.kv_mode, device.type)) != config.kv_mode:
+            config = config.model_copy(update={"kv_mode": kv_mode})
         engine = cls(model, load_tokenizer(path), model_id, device, config, path)
         if config.kv_mode != "full":
             from ..kvreuse import enable_chunk_reuse  # lazy: kvreuse builds on the engine

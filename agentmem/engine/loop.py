@@ -19,6 +19,7 @@ import torch
 
 from .block_manager import BlockManager
 from .compiled import CompiledDecode
+from .cuda_graph import GraphDecode
 from .detokenize import ReplyText
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
@@ -324,18 +325,19 @@ class EngineLoop:
         seq.out.put(Generation(seq.text, list(seq.generated), stats, list(seq.logprobs) if seq.params.logprobs else None))
 
 
-def compiled_decode(engine: Engine, pool: KVPool) -> CompiledDecode | None:
-    """The compiled decode step the config asks for: `compile` auto (the CPU: on, each bucket
-    kept compiled only where its steps measure faster than eager; CUDA: off, its decode
-    attention is the paged Triton kernel), on (always compiled; CUDA: with CUDA graphs), off."""
+def compiled_decode(engine: Engine, pool: KVPool) -> CompiledDecode | GraphDecode | None:
+    """The compiled decode step the config asks for. On the CPU: `compile` auto (each bucket
+    kept compiled only where its steps measure faster than eager), on (always compiled), off.
+    On CUDA, auto and on replay the whole step from captured CUDA graphs (cuda_graph.py; a
+    sliding-window model decodes eagerly: its attention is not the paged kernel), off is eager."""
     cfg = engine.config
     if cfg.compile not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, got {cfg.compile!r}")
-    cuda = engine.device.type == "cuda"
-    if cfg.compile == "off" or (cfg.compile == "auto" and cuda):
+    if cfg.compile == "off":
         return None
-    return CompiledDecode(engine.model, pool, cfg.cache_dir, cfg.compile_timeout_s,
-                          mode="reduce-overhead" if cuda else None, measure=cfg.compile == "auto")
+    if engine.device.type == "cuda":
+        return GraphDecode(engine.model, pool) if engine.model.args.sliding_window is None else None
+    return CompiledDecode(engine.model, pool, cfg.cache_dir, cfg.compile_timeout_s, measure=cfg.compile == "auto")
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

@@ -10,6 +10,7 @@ import torch
 
 from .block_manager import BlockManager
 from .compiled import CompiledDecode, paged_attention
+from .cuda_graph import GraphDecode
 from .kernels import cpu_avx2, cpu_gemv, paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool
@@ -44,7 +45,7 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
 
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, blocks: BlockManager, device: torch.device,
-                 compiled: CompiledDecode | None = None):
+                 compiled: CompiledDecode | GraphDecode | None = None):
         self.model = model
         self.pool = pool
         self.blocks = blocks
@@ -129,12 +130,16 @@ class ModelRunner:
         trial = None  # a compiled bucket whose eager step is being timed against it
         if n_dec == len(batch) and self.compiled is not None:
             lens = [s.num_computed + 1 for s in decodes]
-            bucket = self.compiled.get(n_dec, max(lens))
+            paged = isinstance(self.compiled, GraphDecode)  # CUDA graphs read block tables
+            bucket = self.compiled.get(n_dec, max(len(s.block_table) for s in decodes) if paged else max(lens))
             if bucket is not None and self.compiled.prefer(bucket):
                 t0 = time.perf_counter()
-                logits = self.compiled.run(bucket, self._tensor(ids), self._tensor(pos), self._tensor(slots),
-                                           self._key_slots(decodes, lens, max(lens)), lens,
-                                           self.model.args.sliding_window)
+                if paged:
+                    logits = self.compiled.run(bucket, ids, pos, slots, [s.block_table for s in decodes], lens)
+                else:
+                    logits = self.compiled.run(bucket, self._tensor(ids), self._tensor(pos), self._tensor(slots),
+                                               self._key_slots(decodes, lens, max(lens)), lens,
+                                               self.model.args.sliding_window)
                 self.compiled.record(bucket, True, time.perf_counter() - t0)
                 for seq in decodes:
                     seq.num_computed += 1

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ..config import Config, resolve_kv_mode
 from ..engine.engine import Engine, PrefillResult, Segment
 from .fuser import MODES, Clock, Fused, Piece, check_blend_settings, fuse
 from .identity import ROOT_CONTEXT, chunk_key, next_context
@@ -42,12 +42,13 @@ class ChunkReuse:
 
     def __init__(self, engine: Engine, config: Config | None = None, store: ChunkStore | None = None):
         cfg = config or engine.config
-        if cfg.kv_mode not in MODES:
-            raise ValueError(f"kv_mode must be one of {MODES}, got {cfg.kv_mode!r}")
+        mode = resolve_kv_mode(cfg.kv_mode, engine.device.type)
+        if mode not in MODES:
+            raise ValueError(f"kv_mode must be auto or one of {MODES}, got {cfg.kv_mode!r}")
         check_blend_settings(cfg.blend_metric, cfg.blend_check_layer, cfg.blend_drift, engine.model.args.n_layers,
                              prefix="blend_")
         self.engine = engine
-        self.mode = cfg.kv_mode
+        self.mode = mode
         self.ratio = cfg.blend_ratio
         self.check_layer = cfg.blend_check_layer
         self.metric = cfg.blend_metric
