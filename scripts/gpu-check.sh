@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks behind the README's GPU figures ("GPU" in the README). Run on
 # a machine with a CUDA GPU and agentmem's dependencies (the weight package too) importable:
-#   bash scripts/gpu-check.sh [kernels|engine|all]
+#   bash scripts/gpu-check.sh [kernels] [engine] [blend]    (none named: all three)
 # Each step has a time limit; its log (the benchmark's JSON is its last line) goes to
 # ${OUT:-gpu-out}/<step>.log, and the step's exit status and seconds are printed.
 set -u
@@ -21,16 +21,21 @@ step() {
     tail -n 6 "$out/$name.log" | cut -c1-1500
 }
 
-what=${1:-all}
-if [ "$what" = kernels ] || [ "$what" = all ]; then
+want() { [ $# -eq 0 ] && return 0; for w in "$@"; do [ "$w" = "$step_group" ] && return 0; done; return 1; }
+step_group=kernels
+if want "$@"; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
     step kernel-tests 150 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py
     step kernel-bench 120 $py -m agentmem.cli bench kernels --json
 fi
-if [ "$what" = engine ] || [ "$what" = all ]; then
-    step cuda-tests 180 $py -m pytest -q -p no:cacheprovider -x tests/test_cuda.py
-    # compile=on: the decode step under CUDA graphs, timed beside eager in the same run
-    step engine-bench 240 env AGENTMEM_COMPILE=on $py -m agentmem.cli bench engine --json
+step_group=engine
+if want "$@"; then
+    step cuda-tests 180 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    # compile=auto: the decode step replayed from CUDA graphs, timed beside eager in the same run
+    step engine-bench 240 $py -m agentmem.cli bench engine --json --device cuda
+fi
+step_group=blend
+if want "$@"; then
     step blend-bench 180 $py -m agentmem.cli bench blend --json --prompts 10
 fi
