@@ -64,16 +64,16 @@ def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized
     calls = []
     real = cpu_avx2.gemv_q8
     monkeypatch.setattr(cpu_avx2, "gemv_q8", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for rows in (1, 8, cpu_avx2.MAX_ROWS, cpu_avx2.MAX_ROWS + 1, 300):
+    for rows in (1, 8, cpu_avx2.PRODUCT_MAX_ROWS, cpu_avx2.PRODUCT_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 576, generator=g)
         ref = x @ ref_w.t() + b
         y = p(x)
         assert y.shape == (rows, 192) and y.dtype == torch.float32
         assert (y - ref).abs().max() < 2e-3 * ref.abs().max()
-    assert len(calls) == 3  # the rows up to MAX_ROWS; more went through the fp32 copy
+    assert len(calls) == 3  # the rows up to PRODUCT_MAX_ROWS; more went through the fp32 copy
     assert p._rows_w_t is not None and p._rows_w_t.shape == (576, 192)
     # the copy multiplies exactly as the dense fp32 format would
-    x = torch.randn(40, 576, generator=g)
+    x = torch.randn(60, 576, generator=g)
     assert torch.allclose(p(x), x @ ref_w.t() + b, atol=1e-4)
 
 
@@ -122,3 +122,31 @@ def test_decode_attention_matches_sdpa_over_gathered_keys(lib, rows, width, head
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
     with pytest.raises(ValueError, match="slots"):
         cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx[:-1], keep)
+
+
+def test_place_k_rotates_fp32_chunks_with_the_kernel_into_the_blend(lib, monkeypatch):
+    """kvreuse.place_k in fp32: the AVX2 RoPE kernel a layer at a time, written into the blend's
+    K, equals the model's own rotation; without the library the torch path lands the same."""
+    from types import SimpleNamespace
+
+    from agentmem.engine.layers import Rotary
+    from agentmem.kvreuse.fuser import place_k
+
+    model = SimpleNamespace(rotary=Rotary(64, 10000.0, 4096))
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(3, 50, 3, 64, generator=g)
+    positions = torch.arange(200, 250)
+    ref = model.rotary.apply(k, positions)
+    monkeypatch.setattr(cpu_gemv, "_lib", None)  # the bf16 library is not the route for fp32
+    calls = []
+    real = cpu_avx2.rope_into
+    monkeypatch.setattr(cpu_avx2, "rope_into", lambda *a: calls.append(1) or real(*a))
+    for use in (lib, None):
+        monkeypatch.setattr(cpu_avx2, "_lib", use)
+        dest = torch.zeros(3, 300, 3, 64)
+        got = place_k(model, k, positions, out=dest[:, 200:250])
+        assert torch.allclose(dest[:, 200:250], ref, atol=1e-6) and got.data_ptr() == dest[:, 200:250].data_ptr()
+        assert not dest[:, :200].any() and not dest[:, 250:].any()
+    assert calls == [1, 1, 1]  # one call a layer with the library, none without
+    with pytest.raises(ValueError, match="rope_into"):
+        cpu_avx2.rope_into(lib, k[0], *model.rotary.cos_sin(positions), torch.zeros(50, 3, 64).bfloat16())

@@ -19,7 +19,7 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   kernels int8 buys decode speed, not memory. (fbgemm's
   int8 x int8 product, which also quantizes each activation row, ran 2x faster per row but
   raised SmolLM2's perplexity by 15%: the activations have outlier channels.) On an AVX2-only
-  CPU (fp32 engine) up to `cpu_avx2.MAX_ROWS` rows take `kernels/cpu_avx2.py`'s product (the
+  CPU (fp32 engine) up to `cpu_avx2.PRODUCT_MAX_ROWS` (48) rows take `kernels/cpu_avx2.py`'s product (the
   rows quantized to int16 with a scale each, `vpmaddwd`), more rows a transposed fp32 copy of
   the dequantized weight: on a Zen 3 VM a token's products 9 ms against 48 for fp32 (`torch.mm`)
   and 114 for `_weight_int8pack_mm`.
@@ -174,7 +174,7 @@ class Proj:
         (prefill, a blend's recomputed rows) through an fp32 copy of the dequantized weight,
         stored transposed as the dense fp32 format keeps it and made at the first such call.
         As with the AVX-512 kernels, int8 buys decode speed here, not memory."""
-        if x.shape[0] <= cpu_avx2.MAX_ROWS and (lib := cpu_avx2.loaded()):
+        if x.shape[0] <= cpu_avx2.PRODUCT_MAX_ROWS and (lib := cpu_avx2.loaded()):
             return cpu_avx2.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
         if self._rows_w_t is None:
             self._rows_w_t = (self.packed.float() * self.scale[:, None]).t().contiguous()

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.kernels import cpu_gemv, rope, selected_attention
+from ..engine.kernels import cpu_avx2, cpu_gemv, rope, selected_attention
 from ..engine.kernels.reference import sdpa
 from ..engine.layers import visible
 from ..engine.model import Transformer
@@ -114,8 +114,8 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
     """Rotate pre-RoPE K [L, n, KV, hd] of every layer to `positions` [n] in one call, with
     that model's RoPE (its scaling included): the Triton kernel on CUDA (fed the model's
     inverse frequencies); on the CPU the model's own Rotary, bit-identical to its forward (in
-    bf16 on an AVX512-BF16 CPU, the engine's RoPE kernel a layer at a time, written straight
-    into `out`: session 29, Zen 4 VM, a 2k-token blend's 8 chunks 38 -> 9 ms in one check; in
+    bf16 on an AVX512-BF16 CPU and fp32 on an AVX2 one, the engine's RoPE kernel a layer at a
+    time, written straight into `out`: session 29, Zen 4 VM, a 2k-token blend's 8 chunks 38 -> 9 ms in one check; in
     `bench blend` the place part stayed ~27 ms, which also holds allocating the blend's K/V).
     With `out` ([L, n, KV, hd], e.g. the blend's K at the chunk's place) the result goes there."""
     layers, n, kv_heads, hd = k.shape
@@ -124,12 +124,13 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
         x = x.view(n, layers, kv_heads, hd).transpose(0, 1)
     else:
         cos, sin = model.rotary.cos_sin(positions)
-        lib = cpu_gemv.loaded()
-        if (lib is not None and out is not None and out.dtype == k.dtype and layers
-                and cpu_gemv.rope_usable(k[0], cos) and all(out[i].is_contiguous() for i in range(layers))):
-            for i in range(layers):
-                cpu_gemv.rope_into(lib, k[i], cos, sin, out[i])
-            return out
+        for kernels in (cpu_gemv, cpu_avx2):  # bf16 (AVX512-BF16) or fp32 (AVX2) rows
+            lib = kernels.loaded()
+            if (lib is not None and out is not None and out.dtype == k.dtype and layers
+                    and kernels.rope_usable(k[0], cos) and all(out[i].is_contiguous() for i in range(layers))):
+                for i in range(layers):
+                    kernels.rope_into(lib, k[i], cos, sin, out[i])
+                return out
         x = model.rotary.apply(k, positions, (cos, sin))
     if out is not None:
         out.copy_(x)

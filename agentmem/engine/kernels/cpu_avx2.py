@@ -312,7 +312,13 @@ _SIGNATURES = {
     "agentmem_avx2_rope_f32": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
 }
-MAX_ROWS = cpu_gemv.MAX_ROWS  # input rows up to which Proj uses the kernel (decode batches)
+MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
+# Rows up to which Proj's int8 product takes the kernel: past decode's 16, a blend probe's
+# question rows and a short prompt's too. On the Zen 3 VM (session 30, 2 threads) the kernel
+# against the fp32 copy's torch.mm at 16 / 24 / 32 / 48 / 64 rows: gate_up (3072 x 576) 0.49 /
+# 0.61 / 0.82 / 1.28 / 1.63 ms against 0.78 / 0.90 / 1.16 / 1.54 / 2.04; down (576 x 1536) 0.21 /
+# 0.32 / 0.42 / 0.63 / 0.92 against 0.28 / 0.39 / 0.48 / 0.70 / 0.79; qkv (960 x 576) even at 64.
+PRODUCT_MAX_ROWS = 48
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
@@ -372,6 +378,14 @@ def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """x [N, heads, hd] rotated by its positions' tables, as `layers.rotate` computes it, into a
     new contiguous tensor (`rope_usable` must hold)."""
     return cpu_gemv.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin)
+
+
+def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """`rope` of x [N, heads, hd] written into `out` (a contiguous fp32 tensor of x's shape, e.g. a
+    slice of the blend's K of one layer) instead of a new tensor (`rope_usable` must hold)."""
+    if not (rope_usable(x, cos) and out.dtype == torch.float32 and out.shape == x.shape and out.is_contiguous()):
+        raise ValueError(f"rope_into: x {x.dtype} {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    cpu_gemv.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin, out=out)
 
 
 def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
