@@ -308,6 +308,33 @@ def test_a_measured_choice_is_remembered_remade_when_invalid_and_survives_a_bad_
     assert best_seconds(lambda: sum(range(1000)), 3) > 0 and isinstance(simd_flags(), str)
 
 
+def test_a_choice_timed_on_a_busy_machine_is_used_but_not_saved(tmp_path, monkeypatch, caplog):
+    from agentmem.engine import measured
+
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return {"route": "a", "rule": len(runs)}
+
+    monkeypatch.setattr(measured, "machine_busy", lambda: "load average 5.0 on 2 cores")
+    with caplog.at_level(logging.WARNING, logger="agentmem.engine"):
+        first = measured.remembered(tmp_path, "busy.json", "k", measure)
+    assert first == {"route": "a", "rule": 1, "unsaved": "load average 5.0 on 2 cores"}
+    assert not (tmp_path / "busy.json").exists() and "not saved" in caplog.text
+    assert measured.remembered(tmp_path, "busy.json", "k", measure) is first and len(runs) == 1  # this process keeps it
+    monkeypatch.setattr(measured, "_UNSAVED", {})  # a new process on a quiet machine: timed again and saved
+    monkeypatch.setattr(measured, "machine_busy", lambda: None)
+    assert measured.remembered(tmp_path, "busy.json", "k", measure) == {"route": "a", "rule": 2}
+    assert json.loads((tmp_path / "busy.json").read_text())["k"] == {"route": "a", "rule": 2}
+    monkeypatch.undo()  # the real guard (conftest stubs it for the other tests), on a made-up load
+    monkeypatch.setattr(measured.os, "getloadavg", lambda: (9.0, 1.0, 1.0))
+    monkeypatch.setattr(measured.os, "cpu_count", lambda: 2)
+    assert measured.machine_busy() == "load average 9.0 on 2 cores"
+    monkeypatch.setattr(measured.os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    assert measured.machine_busy() is None
+
+
 def test_cuda_graph_buckets_and_their_static_inputs():
     """The CUDA graph decode step's bucket rule and the layout of the one buffer a step fills
     (the replay itself is tested on a GPU: test_cuda.py)."""

@@ -7,15 +7,37 @@ choice (`weights-choice.json`, `gemv-choice.json`, `attention-choice.json`), key
 would change it: the torch version, the shapes, the threads, the CPU's SIMD flags and the
 kernels' source. A file that cannot be read is measured again; one that cannot be written
 costs a measurement per process, nothing else.
+
+A choice timed while other work holds the machine (its 1-minute load average above its core
+count) is used by this process only and not saved: on the Zen 3 VM of session 30 a choice made
+beside another benchmark timed int8's one-row product at 577 us against fp32's 477 (quiet:
+150 against 381) and, remembered, kept every later process on fp32 at a third of int8's
+decode speed.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("agentmem.engine")
+_UNSAVED: dict[tuple[str, str], dict] = {}  # (file, key) -> a choice timed on a busy machine, this process only
+
+
+def machine_busy() -> str | None:
+    """Why a timing taken now would not speak for this machine (more runnable work than cores
+    over the last minute), else None; None where the load average cannot be read."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cores} cores" if load > cores else None
 
 
 @functools.cache
@@ -36,7 +58,8 @@ def simd_flags() -> str:
 def remembered(cache_dir: Path | str, name: str, key: str, measure: Callable[[], dict],
                valid: Callable[[dict], bool] = lambda entry: True) -> dict:
     """The entry `key` of `<cache_dir>/<name>`, made by `measure()` (and saved) when absent or
-    not `valid` (e.g. made by an earlier rule)."""
+    not `valid` (e.g. made by an earlier rule). Measured while `machine_busy`: kept for this
+    process only (the entry says why under "unsaved")."""
     memo = Path(cache_dir).expanduser() / name
     try:
         saved = json.loads(memo.read_text())
@@ -45,7 +68,17 @@ def remembered(cache_dir: Path | str, name: str, key: str, measure: Callable[[],
     entry = saved.get(key)
     if isinstance(entry, dict) and valid(entry):
         return entry
+    entry = _UNSAVED.get((str(memo), key))
+    if entry is not None and valid(entry):
+        return entry
+    busy = machine_busy()  # asked before timing: the timing itself adds to the load
     saved[key] = entry = measure()
+    if busy is not None:
+        entry["unsaved"] = busy
+        _UNSAVED[(str(memo), key)] = entry
+        log.warning("agentmem: %s measured while the machine was busy (%s): used by this process, not saved",
+                    name, busy)
+        return entry
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         memo.write_text(json.dumps(saved, indent=1))
