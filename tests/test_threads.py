@@ -10,6 +10,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+
+import pytest
 
 from agentmem.engine.threads import release_omp_pool
 
@@ -83,3 +86,50 @@ def test_the_embedder_releases_the_pool_of_the_thread_that_ran_the_model(monkeyp
             events.clear()
             emb.embed(texts)
             assert [e[0] for e in events] == ["encode", "release"] and events[0][1] == events[1][1]
+
+
+def test_module_calls_wait_out_a_torch_fx_trace_in_another_thread(embedder):
+    """torch.compile traces with torch.fx, which patches nn.Module process-wide while it runs: a
+    module called from another thread meanwhile fails. The embedder (like the engine's steps)
+    takes TRACE_LOCK, which compiles hold, and so waits instead."""
+    import time
+
+    import torch.fx
+
+    from agentmem.engine.threads import TRACE_LOCK
+
+    tracing, done = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            tracing.set()
+            done.wait(10)  # the patch stays on while this runs
+            return x + 1
+
+    def trace(lock: bool) -> threading.Thread:
+        def run():
+            if lock:
+                with TRACE_LOCK:
+                    torch.fx.symbolic_trace(Slow())
+            else:
+                torch.fx.symbolic_trace(Slow())
+        tracing.clear()
+        done.clear()
+        t = threading.Thread(target=run)
+        t.start()
+        assert tracing.wait(10)
+        return t
+
+    t = trace(lock=False)  # the failure the lock prevents
+    try:
+        with pytest.raises(NameError, match="not installed as a submodule"):
+            embedder.model.encode(["hello there"])
+    finally:
+        done.set()
+        t.join()
+    t = trace(lock=True)
+    threading.Timer(0.3, done.set).start()
+    t0 = time.perf_counter()
+    vec = embedder.embed(["hello there"])  # waits for the trace, then runs
+    t.join()
+    assert time.perf_counter() - t0 >= 0.25 and vec.shape == (1, embedder.dim)

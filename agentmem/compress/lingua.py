@@ -22,6 +22,7 @@ import torch
 from llmlingua import PromptCompressor
 
 from ..engine import Engine, attend
+from ..engine.threads import TRACE_LOCK
 
 
 @dataclass
@@ -61,7 +62,8 @@ class EngineLM:
             new.append([k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]])
             return attend(q, k_all, v_all, q_pos, k_pos)
 
-        logits = e.model(ids, q_pos, attn)
+        with TRACE_LOCK:  # engine/threads.py
+            logits = e.model(ids, q_pos, attn)
         return LMOutput(logits[None], new)
 
 

@@ -44,6 +44,7 @@ from .kernels import cpu_avx2, cpu_gemv
 from .kv_pool import KVPool
 from .layers import rms_norm, rotate
 from .model import Transformer
+from .threads import TRACE_LOCK
 
 log = logging.getLogger("agentmem.engine")
 
@@ -225,7 +226,9 @@ class CompiledDecode:
             h = torch.zeros(b, self.model.args.dim, dtype=self.pool.k.dtype, device=self.pool.k.device)
             pos = torch.zeros(b, dtype=torch.long, device=h.device)
             slots = torch.full((b,), self.pool.scratch_slot, dtype=torch.long, device=h.device)
-            self._run_layers(h, pos, slots, slots.repeat_interleave(width), self._mask(slots[:, None] * 0 + 1, width))
+            with TRACE_LOCK:  # fx patches nn.Module process-wide while it traces (threads.py)
+                self._run_layers(h, pos, slots, slots.repeat_interleave(width),
+                                 self._mask(slots[:, None] * 0 + 1, width))
         except Exception as exc:  # any failure of dynamo/inductor/the C++ compiler: eager it is
             self._fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
             return

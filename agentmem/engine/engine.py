@@ -33,7 +33,7 @@ from .model import Transformer, load_transformer
 from .model_runner import attend_chunk
 from .sampler import SamplingParams
 from .sequence import Sequence
-from .threads import release_omp_pool
+from .threads import TRACE_LOCK, release_omp_pool
 from .tokenizer import ChatFormat, chat_format, load_tokenizer, stop_ids
 from .weights import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -280,7 +280,8 @@ class Engine(ChatText):
         """Prefill `ids` at positions start.. into `kv`; logits of the last token."""
         t = torch.tensor(ids, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
-        logits = self.model(t, pos, kv.backend(start, len(ids)), logits_at=torch.tensor([len(ids) - 1]))
+        with TRACE_LOCK:
+            logits = self.model(t, pos, kv.backend(start, len(ids)), logits_at=torch.tensor([len(ids) - 1]))
         kv.length = start + len(ids)
         return logits[0]
 
@@ -289,7 +290,8 @@ class Engine(ChatText):
         """Full-sequence logits [T, V] (fp32): the oracle comparisons use this."""
         t = torch.tensor(list(ids), device=self.device)
         kv = DenseKV(self.model, len(t), self.device, self.dtype)
-        return self.model(t, torch.arange(len(t), device=self.device), kv.backend(0, len(t)))
+        with TRACE_LOCK:
+            return self.model(t, torch.arange(len(t), device=self.device), kv.backend(0, len(t)))
 
     # --- generation ------------------------------------------------------------------------
     @property

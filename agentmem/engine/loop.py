@@ -26,7 +26,7 @@ from .model_runner import ModelRunner
 from .sampler import penalize, sample_row, top_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
-from .threads import release_omp_pool
+from .threads import TRACE_LOCK, release_omp_pool
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -151,8 +151,12 @@ class EngineLoop:
             if seq is not None:
                 seq.out.put(exc)
 
-    @torch.inference_mode()
     def step(self) -> None:
+        with TRACE_LOCK:  # not while torch.compile traces in another thread (threads.py)
+            self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> None:
         for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.cancelled]:
             self._finish(seq, "cancelled")
         batch = self.scheduler.schedule()

@@ -26,6 +26,15 @@ import ctypes
 import os
 import threading
 
+# torch.compile traces with torch.fx, which replaces nn.Module.__call__ and __getattr__ for the
+# whole process while it runs: a module called from another thread meanwhile is routed into the
+# compile's tracer and fails ("module is not installed as a submodule"; session 30: the embedder,
+# while the decode step compiled in the background, killed `bench memory`). So a compile holds
+# this lock, and agentmem's other module calls take it: an engine loop step, Engine.logits and
+# prefill_dense, the blend (kvreuse.fuse), the compressor's forward and the embedder. They wait
+# out a compile (seconds, once per decode bucket and machine) instead of failing.
+TRACE_LOCK = threading.RLock()
+
 _lib: ctypes.CDLL | None | bool = None  # None: not looked up yet; False: no libgomp here
 _lookup = threading.Lock()
 

@@ -49,6 +49,7 @@ from ..engine.kernels.reference import sdpa
 from ..engine.layers import visible
 from ..engine.model import Transformer
 from ..engine.model_runner import attend_chunk
+from ..engine.threads import TRACE_LOCK
 from .store import ChunkKV
 
 MODES = ("full", "reuse", "blend")
@@ -449,7 +450,13 @@ def _deviation(old_k, old_v, new_k, new_v, metric: str) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def fuse(
+def fuse(*args, **kwargs) -> Fused:
+    """`_fuse`, not while torch.compile traces in another thread (engine/threads.py)."""
+    with TRACE_LOCK:
+        return _fuse(*args, **kwargs)
+
+
+def _fuse(
     model: Transformer,
     ids: list[int],
     pieces: list[Piece],

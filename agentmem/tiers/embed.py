@@ -101,10 +101,11 @@ def _released(fn: Callable[[list[str]], np.ndarray], texts: list[str]) -> np.nda
     threads than there are cores it stops spinning between parallel regions, and an idle
     pool left behind here halved the engine loop's decode on 2 cores (58 -> 29 tok/s with two
     such threads; engine/threads.py). The next call makes a new pool (tens of microseconds)."""
-    from ..engine.threads import release_omp_pool
+    from ..engine.threads import TRACE_LOCK, release_omp_pool
 
     try:
-        return fn(texts)
+        with TRACE_LOCK:  # not while torch.compile traces in another thread (engine/threads.py)
+            return fn(texts)
     finally:
         release_omp_pool()
 
