@@ -283,10 +283,10 @@ def test_a_repeated_small_talk_turn_counts_less_once_its_twin_is_taken():
 
     texts = ["Working from home today, still in pyjamas at 7pm", "working from home today still in pyjamas at 5pm",
              "First week at the hospital pharmacy done, everyone is lovely", "Working late at the office again"]
-    ranked = [(_Cand(0, i, score=s), f"s{i}") for i, s in enumerate([1.0, 0.95, 0.6, 0.4])]  # each its own session
+    ranked = [(_Cand(0, i, score=s), f"s{i}") for i, s in enumerate([1.0, 0.95, 0.6, 0.2])]  # each its own session
     words = {i: _letter_words(t) for i, t in enumerate(texts)}
     picked = _diverse(ranked, 3, lambda cr: cr[1], lambda cr: words[cr[0].row_id])
-    assert [c.row_id for c, _ in picked] == [0, 2, 1]  # the pharmacy turn before the pyjamas twin (0.95 x 0.5)
+    assert [c.row_id for c, _ in picked] == [0, 2, 1]  # the pharmacy turn before the pyjamas twin (0.95 x 0.3)
     assert [c.row_id for c, _ in _diverse(ranked, 3, lambda cr: cr[1])] == [0, 1, 2]  # without words: by score
     assert picked[2][0].score == 0.95  # the order changes, the score does not
     assert not _letter_words("3 deadlines") & _letter_words("8 deadlines") - {"deadlines"}
