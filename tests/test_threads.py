@@ -109,7 +109,7 @@ def test_module_calls_wait_out_a_torch_fx_trace_in_another_thread(embedder):
     def trace(lock: bool) -> threading.Thread:
         def run():
             if lock:
-                with TRACE_LOCK:
+                with TRACE_LOCK.exclusive():
                     torch.fx.symbolic_trace(Slow())
             else:
                 torch.fx.symbolic_trace(Slow())
@@ -133,3 +133,33 @@ def test_module_calls_wait_out_a_torch_fx_trace_in_another_thread(embedder):
     vec = embedder.embed(["hello there"])  # waits for the trace, then runs
     t.join()
     assert time.perf_counter() - t0 >= 0.25 and vec.shape == (1, embedder.dim)
+
+
+def test_the_trace_lock_lets_module_calls_run_together_and_a_compile_alone():
+    import time
+
+    from agentmem.engine.threads import TraceLock
+
+    lock = TraceLock()
+    inside, events = threading.Event(), []
+
+    def reader(name: str, hold: float):
+        with lock.shared():
+            events.append(f"{name} in")
+            inside.set()
+            time.sleep(hold)
+            events.append(f"{name} out")
+
+    a = threading.Thread(target=reader, args=("a", 0.3))
+    a.start()
+    inside.wait(5)
+    with lock.shared():  # a second holder does not wait for the first
+        events.append("main in")
+    assert events == ["a in", "main in"]
+    with lock.exclusive():  # a compile waits for the holder in flight
+        events.append("compile")
+    a.join()
+    assert events[-2:] == ["a out", "compile"]
+    with lock.shared(), lock.shared(), lock.exclusive(), lock.shared():  # nested, and a foreground compile
+        events.append("nested")
+    assert events[-1] == "nested"

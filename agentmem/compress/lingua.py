@@ -62,7 +62,7 @@ class EngineLM:
             new.append([k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]])
             return attend(q, k_all, v_all, q_pos, k_pos)
 
-        with TRACE_LOCK:  # engine/threads.py
+        with TRACE_LOCK.shared():  # engine/threads.py
             logits = e.model(ids, q_pos, attn)
         return LMOutput(logits[None], new)
 

@@ -226,7 +226,7 @@ class CompiledDecode:
             h = torch.zeros(b, self.model.args.dim, dtype=self.pool.k.dtype, device=self.pool.k.device)
             pos = torch.zeros(b, dtype=torch.long, device=h.device)
             slots = torch.full((b,), self.pool.scratch_slot, dtype=torch.long, device=h.device)
-            with TRACE_LOCK:  # fx patches nn.Module process-wide while it traces (threads.py)
+            with TRACE_LOCK.exclusive():  # fx patches nn.Module process-wide while it traces (threads.py)
                 self._run_layers(h, pos, slots, slots.repeat_interleave(width),
                                  self._mask(slots[:, None] * 0 + 1, width))
         except Exception as exc:  # any failure of dynamo/inductor/the C++ compiler: eager it is

@@ -280,7 +280,7 @@ class Engine(ChatText):
         """Prefill `ids` at positions start.. into `kv`; logits of the last token."""
         t = torch.tensor(ids, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
-        with TRACE_LOCK:
+        with TRACE_LOCK.shared():
             logits = self.model(t, pos, kv.backend(start, len(ids)), logits_at=torch.tensor([len(ids) - 1]))
         kv.length = start + len(ids)
         return logits[0]
@@ -290,7 +290,7 @@ class Engine(ChatText):
         """Full-sequence logits [T, V] (fp32): the oracle comparisons use this."""
         t = torch.tensor(list(ids), device=self.device)
         kv = DenseKV(self.model, len(t), self.device, self.dtype)
-        with TRACE_LOCK:
+        with TRACE_LOCK.shared():
             return self.model(t, torch.arange(len(t), device=self.device), kv.backend(0, len(t)))
 
     # --- generation ------------------------------------------------------------------------

@@ -152,7 +152,7 @@ class EngineLoop:
                 seq.out.put(exc)
 
     def step(self) -> None:
-        with TRACE_LOCK:  # not while torch.compile traces in another thread (threads.py)
+        with TRACE_LOCK.shared():  # not while torch.compile traces in another thread (threads.py)
             self._step()
 
     @torch.inference_mode()

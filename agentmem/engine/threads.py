@@ -22,18 +22,81 @@ GOMP_SPINCOUNT and OMP_WAIT_POLICY do not help: libgomp's throttled spin count i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 
-# torch.compile traces with torch.fx, which replaces nn.Module.__call__ and __getattr__ for the
-# whole process while it runs: a module called from another thread meanwhile is routed into the
-# compile's tracer and fails ("module is not installed as a submodule"; session 30: the embedder,
-# while the decode step compiled in the background, killed `bench memory`). So a compile holds
-# this lock, and agentmem's other module calls take it: an engine loop step, Engine.logits and
-# prefill_dense, the blend (kvreuse.fuse), the compressor's forward and the embedder. They wait
-# out a compile (seconds, once per decode bucket and machine) instead of failing.
-TRACE_LOCK = threading.RLock()
+
+class TraceLock:
+    """Shared by module calls, exclusive for a torch.compile trace.
+
+    torch.compile traces with torch.fx, which replaces nn.Module.__call__ and __getattr__ for
+    the whole process while it runs: a module called from another thread meanwhile is routed
+    into the compile's tracer and fails ("module is not installed as a submodule"; session 30:
+    the embedder, while the decode step compiled in the background, killed `bench memory`). So
+    a compile takes this lock `exclusive`, and agentmem's module calls take it `shared`: an
+    engine loop step, Engine.logits and prefill_dense, the blend (kvreuse.fuse), the
+    compressor's forward and the embedder. Shared holders run together (the loop decodes while
+    the embedder embeds, as before); a compile waits for those in flight, new ones wait for it
+    (seconds, once per decode bucket and machine), and a waiting compile goes first. A thread
+    already inside (a nested call, or a loop step that compiles in the foreground) never waits
+    on itself."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0  # threads inside `shared` (each counted once, however nested)
+        self._writer: int | None = None
+        self._waiting = 0  # compiles waiting for `exclusive`
+        self._local = threading.local()
+
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    @contextlib.contextmanager
+    def shared(self):
+        me = threading.get_ident()
+        if self._depth() or self._writer == me:
+            self._local.depth = self._depth() + 1
+            try:
+                yield
+            finally:
+                self._local.depth -= 1
+            return
+        with self._cond:
+            while self._writer is not None or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        self._local.depth = 1
+        try:
+            yield
+        finally:
+            self._local.depth = 0
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        me = threading.get_ident()
+        mine = 1 if self._depth() else 0  # this thread's own shared hold (a foreground compile)
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._writer is not None or self._shared - mine > 0:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._writer = me
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = None
+                self._cond.notify_all()
+
+
+TRACE_LOCK = TraceLock()
 
 _lib: ctypes.CDLL | None | bool = None  # None: not looked up yet; False: no libgomp here
 _lookup = threading.Lock()

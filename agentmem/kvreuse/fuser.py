@@ -452,7 +452,7 @@ def _deviation(old_k, old_v, new_k, new_v, metric: str) -> torch.Tensor:
 @torch.inference_mode()
 def fuse(*args, **kwargs) -> Fused:
     """`_fuse`, not while torch.compile traces in another thread (engine/threads.py)."""
-    with TRACE_LOCK:
+    with TRACE_LOCK.shared():
         return _fuse(*args, **kwargs)
 
 

@@ -104,7 +104,7 @@ def _released(fn: Callable[[list[str]], np.ndarray], texts: list[str]) -> np.nda
     from ..engine.threads import TRACE_LOCK, release_omp_pool
 
     try:
-        with TRACE_LOCK:  # not while torch.compile traces in another thread (engine/threads.py)
+        with TRACE_LOCK.shared():  # not while torch.compile traces in another thread (engine/threads.py)
             return fn(texts)
     finally:
         release_omp_pool()
