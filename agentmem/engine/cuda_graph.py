@@ -40,16 +40,14 @@ MIN_BLOCKS = 16
 
 class GraphDecode:
     """Captured decode steps of one model over one KV pool, by bucket. The interface is
-    CompiledDecode's (get / prefer / record / ready / failed / compile_s), so the loop and the
-    benchmark treat both alike; `run` takes block tables where CompiledDecode takes key slots."""
-
-    paged = True  # run() takes block tables
+    CompiledDecode's (get / prefer / record / ready / failed / compile_s / measure / background),
+    so the loop and the benchmark treat both alike; `run` takes block tables where
+    CompiledDecode takes key slots (the runner tells them apart by type)."""
 
     def __init__(self, model: Transformer, pool: KVPool):
         self.model, self.pool = model, pool
         self.measure = False
         self.background = False  # captures are quick and run in the loop's thread
-        self.chosen: dict[tuple[int, int], bool] = {}
         self.ready: set[tuple[int, int]] = set()
         self.failed: str | None = None
         self.compile_s = 0.0  # seconds spent capturing

@@ -116,8 +116,9 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
     that model's RoPE (its scaling included): the Triton kernel on CUDA (fed the model's
     inverse frequencies); on the CPU the model's own Rotary, bit-identical to its forward (in
     bf16 on an AVX512-BF16 CPU and fp32 on an AVX2 one, the engine's RoPE kernel a layer at a
-    time, written straight into `out`: session 29, Zen 4 VM, a 2k-token blend's 8 chunks 38 -> 9 ms in one check; in
-    `bench blend` the place part stayed ~27 ms, which also holds allocating the blend's K/V).
+    time, written straight into `out`: session 29, Zen 4 VM, a 2k-token blend's 8 chunks 38 ->
+    9 ms in one check; in `bench blend` the place part stayed ~27 ms, which also holds
+    allocating the blend's K/V).
     With `out` ([L, n, KV, hd], e.g. the blend's K at the chunk's place) the result goes there."""
     layers, n, kv_heads, hd = k.shape
     if k.is_cuda:
