@@ -333,7 +333,7 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
 
 
 def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
-    """choose_rows_route times the kernel against widened fp32 SDPA, keeps the faster for those
+    """choose_rows_route times the kernel, widened fp32 SDPA and bf16 SDPA, keeps the fastest for those
     shapes (AGENTMEM_ATTN_KERNEL=auto), and a second call reads the memo instead of timing."""
     monkeypatch.setattr(cpu_gemv, "_ROUTES", {})
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "auto")
@@ -341,8 +341,8 @@ def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
     route = cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32)
     saved = json.loads((tmp_path / "attention-choice.json").read_text())
     (entry,) = saved.values()
-    assert route in ("kernel", "fp32") and entry["route"] == route
-    assert route == min(entry["ms"], key=entry["ms"].get)
+    assert route in ("kernel", "fp32", "bf16") and entry["route"] == route
+    assert set(entry["ms"]) == {"kernel", "fp32", "bf16"} and route == min(entry["ms"], key=entry["ms"].get)
     assert cpu_gemv.rows_route(4, 2, 32) == route
     other = "fp32" if route == "kernel" else "kernel"
     entry["route"] = other  # a remembered choice is used as it is

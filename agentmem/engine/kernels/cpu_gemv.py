@@ -1248,16 +1248,18 @@ def rows_route(heads: int, kv_heads: int, head_dim: int) -> str:
 
 
 def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim: int) -> str:
-    """Time a 2,048-token causal prefill's attention (four 512-row chunks) with the kernel and
-    widened to fp32, once per machine and shape (remembered under `cache_dir`), and keep the
-    faster for `rows_route`. vdpbf16ps is not fast everywhere: on the AMD EPYC VMs the kernel
-    ran 2,048 tokens 3x faster than SDPA, while on a Xeon VM with avx512_bf16 (no AMX), where
-    it issues at half the rate of fp32 FMAs, it took 50 ms a layer against fp32 SDPA's 36."""
+    """Time a 2,048-token causal prefill's attention (four 512-row chunks) with the kernel,
+    widened to fp32 and through SDPA in bf16, once per machine and shape (remembered under
+    `cache_dir`), and keep the fastest for `rows_route`. No way wins everywhere: on the AMD
+    EPYC VMs the kernel ran 2,048 tokens 3x faster than SDPA; on a Xeon VM with avx512_bf16
+    (no AMX), where vdpbf16ps issues at half the rate of fp32 FMAs, it took 50 ms a layer
+    against fp32 SDPA's 36; on a Xeon VM with AMX, bf16 SDPA (oneDNN's AMX flash attention)
+    took 13 ms against the kernel's 40 and fp32's 33 (session 31)."""
     if _lib is None or not attention_usable(torch.bfloat16, torch.device("cpu"), heads, kv_heads, head_dim):
         return "bf16"
-    from ..model_runner import attend_chunk  # lazy: the runner imports this module
+    from ..model_runner import sdpa_chunk  # lazy: the runner imports this module
 
-    key = f"rows-attention|{tag()}|{torch.__version__}|{heads},{kv_heads},{head_dim}|{torch.get_num_threads()}|" \
+    key = f"rows-attention-3|{tag()}|{torch.__version__}|{heads},{kv_heads},{head_dim}|{torch.get_num_threads()}|" \
           + simd_flags()
 
     def measure() -> dict:
@@ -1275,9 +1277,14 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
         def widened():
             qf, kf, vf = q.float(), k.float(), v.float()
             for s in range(0, n, chunk):  # what attend_chunk does with the route fp32
-                attend_chunk(qf[s:s + chunk], kf[:s + chunk], vf[:s + chunk], s).to(torch.bfloat16)
+                sdpa_chunk(qf[s:s + chunk], kf[:s + chunk], vf[:s + chunk], s).to(torch.bfloat16)
 
-        times = {name: best_seconds(fn, 3) for name, fn in (("kernel", kernel), ("fp32", widened))}
+        def bf16():
+            for s in range(0, n, chunk):  # the route bf16
+                sdpa_chunk(q[s:s + chunk], k[:s + chunk], v[:s + chunk], s)
+
+        runs = (("kernel", kernel), ("fp32", widened), ("bf16", bf16))
+        times = {name: best_seconds(fn, 3) for name, fn in runs}
         return {"route": min(times, key=times.get), "ms": {k_: round(t * 1e3, 2) for k_, t in times.items()}}
 
     route = remembered(cache_dir, "attention-choice.json", key, measure)["route"]
