@@ -477,3 +477,32 @@ def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
     monkeypatch.setattr(cpu_gemv, "loaded", lambda: None)  # torch's ops (and products)
     slow = block.finish(h, att)
     assert calls == [1] and (slow.float() - fast.float()).abs().max() <= 2e-2 * slow.float().abs().max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, rows):
+    """A layer's second half (o, residual, norm, gate/up, silu * up, down, residual) as one C call
+    on the u8 route gives the same bits as the seven calls it replaces; more rows than a tile,
+    or weights off the u8 route, take the separate calls."""
+    from agentmem.engine import model as M
+
+    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
+    torch.manual_seed(rows)
+    block = M.Block(args, 0).to(torch.bfloat16)
+    block.post_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
+    block.fuse()
+    block.pack("int8")
+    h, attn = torch.randn(rows, 128).bfloat16(), torch.randn(rows, 4, 32).bfloat16()
+    calls = []
+    real = cpu_gemv.finish_q8u8
+    monkeypatch.setattr(cpu_gemv, "finish_q8u8", lambda *a: calls.append(1) or real(*a))
+    fused = block.finish(h, attn)
+    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    separate = block.finish(h, attn)
+    assert calls == [1] and torch.equal(fused, separate) and fused.abs().max() > 0
+    monkeypatch.setattr(M, "FUSED_FINISH", True)
+    many = torch.randn(cpu_gemv.MAX_FINISH_ROWS + 1, 128).bfloat16()
+    block.finish(many, torch.randn(len(many), 4, 32).bfloat16())
+    assert calls == [1]  # nine rows: the separate calls

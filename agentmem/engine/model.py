@@ -10,6 +10,7 @@ the paged pool, and the CacheBlend fuser, which runs only selected tokens throug
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from .linear import Proj
 
 # The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
 LM_HEAD_TRANSPOSED_MAX_ROWS = 2
+# decode rows of a layer whose weights are all int8 on the u8 route take `Block.finish` as one C
+# call (cpu_gemv.finish_q8u8); AGENTMEM_FUSED_FINISH=off keeps the separate calls (A/B)
+FUSED_FINISH = os.environ.get("AGENTMEM_FUSED_FINISH", "on") != "off"
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,14 @@ class Block(nn.Module):
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
-        h = h + self.o_p(attn_out.reshape(attn_out.shape[0], -1))
+        attn = attn_out.reshape(attn_out.shape[0], -1)
+        projs = (self.o_p, self.gate_up_p, self.down_p)
+        if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and not torch.compiler.is_compiling()
+                and (lib := cpu_gemv.loaded()) and FUSED_FINISH
+                and cpu_gemv.finish_takes(h, attn, projs, self.post_norm.weight)):
+            # decode rows: one C call and one team of threads for the seven steps below (same bits)
+            return cpu_gemv.finish_q8u8(lib, h, attn, *projs, self.post_norm.weight, self.post_norm.eps)
+        h = h + self.o_p(attn)
         gu = self.gate_up_p(self.post_norm(h))
         if (gu.dtype == torch.bfloat16 and gu.device.type == "cpu" and gu.dim() == 2 and gu.shape[0] > 1
                 and gu.stride(1) == 1 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):

@@ -835,6 +835,63 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
     free(vpk);
     free(vn);
 }
+
+/* u8-route products of the few bf16 rows in x [M, K] (M <= 8) into y [M, N] bf16, for the
+   calling team of threads: xq/xs/corr are the rows quantized by one thread, then the 16-output
+   groups are shared out (`omp for`, which ends on a barrier). */
+__attribute__((target("avx512vnni")))
+static void team_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, int8_t *xq, float *xs, float *corr) {
+    const int64_t nb = K / U8_BLOCK;
+    #pragma omp single
+    for (int64_t m = 0; m < M; m++) quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, corr + m);
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) {
+        #define TILE(mb) tile_u8(w + g * 16 * K, K, xq, K, mb, y, N, g * 16, scale, xs, corr, 0, 0)
+        BY_ROWS(M, TILE)
+        #undef TILE
+    }
+}
+
+/* The second half of a decoder layer (`Block.finish`) for M <= 8 bf16 rows with every weight
+   on the u8 route, in one call and one team of threads instead of seven calls and three:
+   h2 = h + o(a); out = h2 + down(silu(gate) * up) of rms_norm(h2), gate/up = gu(norm), each
+   step rounded to bf16 where the separate calls round (bit-identical to them). a [M, HD]
+   (rows lda apart), h/out [M, D], nw [D] bf16; o [D, HD], gu [2I, D], down [D, I] packed by
+   `pack_u8` with their scales. */
+__attribute__((target("avx512vnni")))
+void agentmem_finish_q8u8(const uint16_t *a, int64_t lda, const uint16_t *h, uint16_t *out,
+                          const uint8_t *wo, const float *so, const uint16_t *nw, float eps,
+                          const uint8_t *wgu, const float *sgu, const uint8_t *wd, const float *sd,
+                          int64_t M, int64_t HD, int64_t D, int64_t I, int threads) {
+    const int64_t kmax = HD > D ? (HD > I ? HD : I) : (D > I ? D : I);
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * kmax + 63) / 64 * 64));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (kmax / U8_BLOCK)));
+    float corr[8];
+    uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(M * D)), *nx = (uint16_t *)malloc(2 * (size_t)(M * D));
+    uint16_t *gu = (uint16_t *)malloc(4 * (size_t)(M * I)), *sx = (uint16_t *)malloc(2 * (size_t)(M * I));
+    #pragma omp parallel num_threads(threads)
+    {
+        team_q8u8(wo, so, a, lda, h2, M, D, HD, xq, xs, corr);  /* o(a), then h2 = h + o(a) */
+        #pragma omp single
+        {
+            for (int64_t i = 0; i < M * D; i++) h2[i] = to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(h2[i]));
+            agentmem_rms_norm_bf16(h2, D, nw, nx, M, D, eps);
+        }
+        team_q8u8(wgu, sgu, nx, D, gu, M, 2 * I, D, xq, xs, corr);
+        #pragma omp single
+        agentmem_silu_mul_bf16(gu, 2 * I, sx, M, I);
+        team_q8u8(wd, sd, sx, I, out, M, D, I, xq, xs, corr);  /* down, then out = h2 + down */
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * D; i++) out[i] = to_bf16(bf16_to_f32(h2[i]) + bf16_to_f32(out[i]));
+    }
+    free(xq);
+    free(xs);
+    free(h2);
+    free(nx);
+    free(gu);
+    free(sx);
+}
 """
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
@@ -849,6 +906,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
     "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
+    "agentmem_finish_q8u8": [_P, _I, _P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I, _I, _I32],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -1168,6 +1226,33 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
     y = torch.empty(n, two_i // 2, dtype=torch.bfloat16)
     lib.agentmem_silu_mul_bf16(gu.data_ptr(), gu.stride(0), y.data_ptr(), n, two_i // 2)
     return y
+
+
+def finish_takes(h: torch.Tensor, attn: torch.Tensor, projs: tuple, norm_w: torch.Tensor) -> bool:
+    """Whether `finish_q8u8` takes this layer's second half: at most MAX_FINISH_ROWS contiguous
+    bf16 rows on the CPU, and o, gate/up and down all int8 on the u8 route without bias."""
+    return (h.dtype == attn.dtype == norm_w.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2
+            and 0 < h.shape[0] <= MAX_FINISH_ROWS and h.is_contiguous() and attn.is_contiguous()
+            and all(p.fmt == "int8" and p.q8_route == "u8" and p.w_gemv is not None and p.bias is None
+                    for p in projs))
+
+
+MAX_FINISH_ROWS = 8  # the fused second half's rows (one tile of the u8 products)
+
+
+def finish_q8u8(lib: ctypes.CDLL, h: torch.Tensor, attn: torch.Tensor, o, gate_up, down, norm_w: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """`Block.finish` of few decode rows in one C call (`agentmem_finish_q8u8`): h + o(attn),
+    then the SwiGLU MLP of its RMSNorm added, bit-identical to the separate calls. h [M, D] and
+    attn [M, H*hd] bf16 (`finish_takes`); o, gate_up, down: the layer's int8 `Proj`s."""
+    m, d = h.shape
+    out = torch.empty_like(h)
+    lib.agentmem_finish_q8u8(attn.data_ptr(), attn.shape[1], h.data_ptr(), out.data_ptr(),
+                             o.w_gemv.data_ptr(), o.scale.data_ptr(), norm_w.data_ptr(), eps,
+                             gate_up.w_gemv.data_ptr(), gate_up.scale.data_ptr(), down.w_gemv.data_ptr(),
+                             down.scale.data_ptr(), m, attn.shape[1], d, down.in_features,
+                             torch.get_num_threads())
+    return out
 
 
 def drift_usable(k: torch.Tensor) -> bool:
