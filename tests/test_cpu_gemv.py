@@ -506,3 +506,36 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, r
     many = torch.randn(cpu_gemv.MAX_FINISH_ROWS + 1, 128).bfloat16()
     block.finish(many, torch.randn(len(many), 4, 32).bfloat16())
     assert calls == [1]  # nine rows: the separate calls
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeypatch, rows):
+    """A whole decode layer with both fused halves (norm, qkv and RoPE of q and k in one call;
+    `finish` in another) gives the same bits as the separate calls, through any attention."""
+    from agentmem.engine import model as M
+    from agentmem.engine.layers import Rotary
+
+    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
+    torch.manual_seed(10 + rows)
+    block = M.Block(args, 0).to(torch.bfloat16)
+    block.input_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
+    block.fuse()
+    block.pack("int8")
+    rotary = Rotary(32, 10000.0, 512)
+    seen = []
+
+    def attn(i, q, k_raw, k_rot, v):  # uses every input, records them
+        seen.append((q.clone(), k_raw.clone(), k_rot.clone(), v.clone()))
+        return q + (k_rot + k_raw - v).repeat_interleave(2, dim=1)
+
+    h, pos = torch.randn(rows, 128).bfloat16(), torch.arange(100, 100 + rows)
+    calls = []
+    real = cpu_gemv.qkv_q8u8
+    monkeypatch.setattr(cpu_gemv, "qkv_q8u8", lambda *a: calls.append(1) or real(*a))
+    fused = block(h, pos, rotary, attn)
+    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    separate = block(h, pos, rotary, attn)
+    assert calls == [1] and torch.equal(fused, separate)
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))

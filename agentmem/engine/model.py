@@ -24,8 +24,9 @@ from .linear import Proj
 
 # The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
 LM_HEAD_TRANSPOSED_MAX_ROWS = 2
-# decode rows of a layer whose weights are all int8 on the u8 route take `Block.finish` as one C
-# call (cpu_gemv.finish_q8u8); AGENTMEM_FUSED_FINISH=off keeps the separate calls (A/B)
+# decode rows of a layer whose weights are all int8 on the u8 route take each half of the layer's
+# products as one C call (cpu_gemv.qkv_q8u8, finish_q8u8); AGENTMEM_FUSED_FINISH=off keeps the
+# separate calls (A/B)
 FUSED_FINISH = os.environ.get("AGENTMEM_FUSED_FINISH", "on") != "off"
 
 
@@ -152,8 +153,18 @@ class Block(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         a = self.args
-        qkv = self.qkv_fused(h)
         qk_end = a.n_heads + a.n_kv_heads
+        if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and FUSED_FINISH and self.q_norm is None
+                and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
+            cos, sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
+            if cpu_gemv.qkv_takes(h, self.qkv_p, self.input_norm.weight, cos, a.head_dim):
+                # decode rows: norm, qkv and the rotation of q and k in one C call (same bits)
+                qkv, qk = cpu_gemv.qkv_q8u8(lib, h, self.input_norm.weight, self.input_norm.eps, self.qkv_p,
+                                            cos, sin, qk_end, a.head_dim)
+                k, v = qkv[:, a.n_heads : qk_end], qkv[:, qk_end:]
+                return self.finish(h, attn(self.idx, qk[:, : a.n_heads], k, qk[:, a.n_heads :], v))
+            cos_sin = cos, sin
+        qkv = self.qkv_fused(h)
         # q and k are adjacent in the fused projection: rotate both in one call
         qk = rotary.apply(qkv[:, :qk_end], positions, cos_sin)
         k, v = qkv[:, a.n_heads : qk_end], qkv[:, qk_end:]

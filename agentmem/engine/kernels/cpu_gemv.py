@@ -853,6 +853,31 @@ static void team_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, i
     }
 }
 
+/* The first half of a decoder layer's products for M <= 8 bf16 rows on the u8 route, in one
+   call and one team of threads: qkv = wqkv(rms_norm(h)) [M, NQKV] bf16, then the first QK
+   heads of each row (q and k) rotated into qk [M, QK, hd] (`agentmem_rope_bf16`'s tables and
+   rounding), bit-identical to the three separate calls. */
+__attribute__((target("avx512vnni")))
+void agentmem_qkv_q8u8(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const float *s,
+                       const float *cs, const float *sn, uint16_t *qkv, uint16_t *qk, int64_t M, int64_t D,
+                       int64_t NQKV, int64_t QK, int64_t hd, int threads) {
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * D + 63) / 64 * 64));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (D / U8_BLOCK)));
+    float corr[8];
+    uint16_t *nx = (uint16_t *)malloc(2 * (size_t)(M * D));
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp single
+        agentmem_rms_norm_bf16(h, D, nw, nx, M, D, eps);
+        team_q8u8(w, s, nx, D, qkv, M, NQKV, D, xq, xs, corr);
+        #pragma omp single
+        agentmem_rope_bf16(qkv, NQKV, cs, sn, qk, M, QK, hd);
+    }
+    free(xq);
+    free(xs);
+    free(nx);
+}
+
 /* The second half of a decoder layer (`Block.finish`) for M <= 8 bf16 rows with every weight
    on the u8 route, in one call and one team of threads instead of seven calls and three:
    h2 = h + o(a); out = h2 + down(silu(gate) * up) of rms_norm(h2), gate/up = gu(norm), each
@@ -906,6 +931,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
     "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
+    "agentmem_qkv_q8u8": [_P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I32],
     "agentmem_finish_q8u8": [_P, _I, _P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I, _I, _I32],
 }
 _lib: ctypes.CDLL | None = None
@@ -1237,7 +1263,31 @@ def finish_takes(h: torch.Tensor, attn: torch.Tensor, projs: tuple, norm_w: torc
                     for p in projs))
 
 
-MAX_FINISH_ROWS = 8  # the fused second half's rows (one tile of the u8 products)
+MAX_FINISH_ROWS = 8  # the fused halves' rows (one tile of the u8 products)
+
+
+def qkv_takes(h: torch.Tensor, qkv, norm_w: torch.Tensor, cos: torch.Tensor, hd: int) -> bool:
+    """Whether `qkv_q8u8` takes these rows: `finish_takes`' conditions for the fused qkv
+    projection, and fp32 RoPE tables [M, hd] (hd a multiple of 32)."""
+    return (h.dtype == norm_w.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2
+            and 0 < h.shape[0] <= MAX_FINISH_ROWS and h.is_contiguous() and qkv.fmt == "int8"
+            and qkv.q8_route == "u8" and qkv.w_gemv is not None and qkv.bias is None and hd % 32 == 0
+            and cos.dtype == torch.float32 and cos.shape == (h.shape[0], hd))
+
+
+def qkv_q8u8(lib: ctypes.CDLL, h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv, cos: torch.Tensor,
+             sin: torch.Tensor, qk_heads: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The un-rotated q, k, v of decode rows h [M, D] ([M, heads, hd], as `Block.qkv_fused`)
+    and the first `qk_heads` of them (q and k) rotated ([M, qk_heads, hd], as `rotate`), in one
+    call (`agentmem_qkv_q8u8`, `qkv_takes`), bit-identical to the three calls it replaces."""
+    m, d = h.shape
+    out = torch.empty(m, qkv.out_features // hd, hd, dtype=torch.bfloat16)
+    qk = torch.empty(m, qk_heads, hd, dtype=torch.bfloat16)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib.agentmem_qkv_q8u8(h.data_ptr(), norm_w.data_ptr(), eps, qkv.w_gemv.data_ptr(), qkv.scale.data_ptr(),
+                          cos.data_ptr(), sin.data_ptr(), out.data_ptr(), qk.data_ptr(), m, d, qkv.out_features,
+                          qk_heads, hd, torch.get_num_threads())
+    return out, qk
 
 
 def finish_q8u8(lib: ctypes.CDLL, h: torch.Tensor, attn: torch.Tensor, o, gate_up, down, norm_w: torch.Tensor,
