@@ -14,6 +14,7 @@ from test_models import build_tokenizer, hf_config, randomize
 
 from agentmem.config import Config
 from agentmem.engine import Engine, EngineLoop
+from agentmem.engine.kernels import cpu_gemv
 from agentmem.engine.linear import (
     PREFILL_SLACK,
     ROWS_MATH_GAIN,
@@ -355,3 +356,40 @@ def test_cuda_graph_buckets_and_their_static_inputs():
     assert slots.tolist() == [3, 41, 640, 640] and lens.tolist() == [11, 21, 1, 1]  # padded rows: the scratch slot
     assert tables[0, :2].tolist() == [0, 40] and tables[1, :4].tolist() == [1, 2, 3, 40]
     assert (tables[2:] == 40).all()  # padded rows read the scratch block only
+
+
+@pytest.mark.skipif(not cpu_gemv.vnni(), reason="the fused decode layer runs on AVX512-VNNI (u8 route)")
+def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_factory, monkeypatch):
+    """Decode rows of a bf16 model with int8 weights on the u8 route run each layer as one C call
+    (norm, qkv, RoPE, the K/V write into the paged pool, attention, the MLP): 64 greedy tokens,
+    one stream and three of different lengths, equal those of the separate calls."""
+    from transformers import LlamaForCausalLM
+
+    from agentmem.engine import model as M
+
+    tok = build_tokenizer("llama3")
+    path = tmp_path_factory.mktemp("tiny-llama-hd32")
+    hf = LlamaForCausalLM(hf_config("LlamaConfig", len(tok), tok, hidden_size=128, intermediate_size=192,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    randomize(hf, seed=4)
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    monkeypatch.setattr(cpu_gemv, "q8_route", cpu_gemv.q8_route)  # restored after the test
+    monkeypatch.setenv("AGENTMEM_GEMV_Q8", "u8")
+    e = load(path, dtype="bfloat16", weights="int8", compile="off")
+    if cpu_gemv.loaded() is None:
+        pytest.skip(f"no bf16 kernels: {cpu_gemv.why_not}")
+    assert e.model.layers[0].o_p.q8_route == "u8"
+    fused_rows = []
+    real = cpu_gemv.layer_q8u8
+    monkeypatch.setattr(cpu_gemv, "layer_q8u8",
+                        lambda lib, block, h, *a: (out := real(lib, block, h, *a)) is not None
+                        and fused_rows.append(h.shape[0]) or out)
+    one, three = [ids(30, seed=1)], [ids(n, seed=n) for n in (5, 40, 90)]
+    got_one, got_three = drive(e, EngineLoop(e), one, 64), drive(e, EngineLoop(e), three, 64)
+    assert 1 in fused_rows and 3 in fused_rows  # one stream, and the three decoding together
+    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    fused_rows.clear()
+    assert got_one == drive(e, EngineLoop(e), one, 64)
+    assert got_three == drive(e, EngineLoop(e), three, 64)
+    assert fused_rows == []

@@ -157,6 +157,13 @@ class Block(nn.Module):
         if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and FUSED_FINISH and self.q_norm is None
                 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
             cos, sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
+            if (paged := getattr(attn, "decode_pool", None)) is not None:
+                # decode rows over the paged pool: the whole layer in one C call (same bits)
+                pool, slots, idx, keep = paged
+                out = cpu_gemv.layer_q8u8(lib, self, h, cos, sin, pool.k[self.idx], pool.v[self.idx], slots, idx,
+                                          keep)
+                if out is not None:
+                    return out
             if cpu_gemv.qkv_takes(h, self.qkv_p, self.input_norm.weight, cos, a.head_dim):
                 # decode rows: norm, qkv and the rotation of q and k in one C call (same bits)
                 qkv, qk = cpu_gemv.qkv_q8u8(lib, h, self.input_norm.weight, self.input_norm.eps, self.qkv_p,

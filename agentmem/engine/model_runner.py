@@ -99,7 +99,13 @@ class ModelRunner:
                 # the CPU kernel, called directly: its inputs are made once a step, not per layer
                 keep = (mask.reshape(len(seqs), width) if mask is not None
                         else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
-                return lambda i, q: kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
+
+                def kernel_attn(i, q, kernels=kernels, lib=lib, keep=keep):
+                    return kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
+
+                if kernels is cpu_gemv:  # bf16: a layer of decode rows may run whole in C (Block.forward)
+                    kernel_attn.paged = (idx_t, keep)
+                return kernel_attn
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, pool.k[i], pool.v[i], idx_t, mask, width)
@@ -178,6 +184,8 @@ class ModelRunner:
                 out[off : off + n] = attend_chunk(q[off : off + n], k, vv, start, window)
             return out
 
+        if not chunks and (paged := getattr(decode_attn, "paged", None)) is not None:
+            attn.decode_pool = (pool, slots_t, *paged)  # the K/V write and attention a fused layer does itself
         logits = self.model(self._tensor(ids), self._tensor(pos), attn, logits_at=self._tensor(rows))
         if trial is not None:
             self.compiled.record(trial[0], False, time.perf_counter() - trial[1])

@@ -566,19 +566,31 @@ static inline __m512 hsum16(const __m512 v[16]) {
    at flat pool slots idx[b, j]. q/out bf16 [B, H, hd]; kp/vp bf16 [slots, KV, hd]; hd a
    multiple of 32 (at most 256), H a multiple of KV. The scores are fp32 sums of exact bf16
    products (vdpbf16ps), the softmax and the weighted sum of V fp32. */
+static void decode_attn_task(const uint16_t *q, int64_t ldq, const uint16_t *kp, const uint16_t *vp,
+                             const int64_t *idx, const uint8_t *keep, uint16_t *out, int64_t task, int64_t H,
+                             int64_t KV, int64_t hd, int64_t W, float scale);
+
 void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, const int64_t *idx,
                                const uint8_t *keep, uint16_t *out, int64_t B, int64_t H, int64_t KV,
                                int64_t hd, int64_t W, float scale, int threads) {
-    const int64_t G = H / KV, nd = hd / 16;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < B * KV; task++) {
+    for (int64_t task = 0; task < B * KV; task++)
+        decode_attn_task(q, H * hd, kp, vp, idx, keep, out, task, H, KV, hd, W, scale);
+}
+
+/* One (row b, KV head) task of `agentmem_decode_attn_bf16`, q's rows ldq elements apart. */
+static void decode_attn_task(const uint16_t *q, int64_t ldq, const uint16_t *kp, const uint16_t *vp,
+                             const int64_t *idx, const uint8_t *keep, uint16_t *out, int64_t task, int64_t H,
+                             int64_t KV, int64_t hd, int64_t W, float scale) {
+    const int64_t G = H / KV, nd = hd / 16;
+    {
         const int64_t b = task / KV, kvh = task % KV;
         int64_t *slot = (int64_t *)malloc(W * sizeof(int64_t));
         float *s = (float *)malloc((G * W + 16) * sizeof(float));
         int64_t nv = 0;
         for (int64_t j = 0; j < W; j++)
             if (keep[b * W + j]) slot[nv++] = idx[b * W + j];
-        const uint16_t *qg = q + (b * H + kvh * G) * hd;
+        const uint16_t *qg = q + b * ldq + kvh * G * hd;
         const __m512 sc = _mm512_set1_ps(scale);
         int64_t t0 = 0;
         for (; t0 + 16 <= nv; t0 += 16) {  /* scores of 16 keys at a time, summed across lanes together */
@@ -853,69 +865,125 @@ static void team_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, i
     }
 }
 
+/* Scratch of the fused layer functions for M <= 8 rows of at most K inputs (K >= every
+   product's input and output width it is used for): the quantized rows and their scales, and
+   the bf16 intermediates. */
+typedef struct {
+    int8_t *xq;
+    float *xs, corr[8];
+    uint16_t *nx, *h2, *gu, *sx, *qkv, *qk, *attn;
+} Scratch;
+
+static Scratch scratch_new(int64_t M, int64_t K, int64_t I, int64_t NQKV) {
+    Scratch t;
+    t.xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    t.xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / U8_BLOCK) + 1));
+    t.nx = (uint16_t *)malloc(2 * (size_t)(M * K));
+    t.h2 = (uint16_t *)malloc(2 * (size_t)(M * K));
+    t.gu = (uint16_t *)malloc(4 * (size_t)(M * I));
+    t.sx = (uint16_t *)malloc(2 * (size_t)(M * I));
+    t.qkv = (uint16_t *)malloc(2 * (size_t)(M * NQKV + 1));
+    t.qk = (uint16_t *)malloc(2 * (size_t)(M * NQKV + 1));
+    t.attn = (uint16_t *)malloc(2 * (size_t)(M * NQKV + 1));
+    return t;
+}
+
+static void scratch_free(Scratch *t) {
+    free(t->xq); free(t->xs); free(t->nx); free(t->h2); free(t->gu); free(t->sx);
+    free(t->qkv); free(t->qk); free(t->attn);
+}
+
+/* For the calling team: qkv = wqkv(rms_norm(h)) [M, NQKV] bf16, then the first QK heads of
+   each row (q and k) rotated into qk [M, QK, hd] (`agentmem_rope_bf16`'s tables and rounding). */
+__attribute__((target("avx512vnni")))
+static void team_qkv(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const float *s,
+                     const float *cs, const float *sn, uint16_t *qkv, uint16_t *qk, int64_t M, int64_t D,
+                     int64_t NQKV, int64_t QK, int64_t hd, Scratch *t) {
+    #pragma omp single
+    agentmem_rms_norm_bf16(h, D, nw, t->nx, M, D, eps);
+    team_q8u8(w, s, t->nx, D, qkv, M, NQKV, D, t->xq, t->xs, t->corr);
+    #pragma omp single
+    agentmem_rope_bf16(qkv, NQKV, cs, sn, qk, M, QK, hd);
+}
+
+/* For the calling team, `Block.finish`: h2 = h + o(a); out = h2 + down(silu(gate) * up) of
+   rms_norm(h2), gate/up = gu(norm), each step rounded to bf16 where the separate calls round. */
+__attribute__((target("avx512vnni")))
+static void team_finish(const uint16_t *a, int64_t lda, const uint16_t *h, uint16_t *out, const uint8_t *wo,
+                        const float *so, const uint16_t *nw, float eps, const uint8_t *wgu, const float *sgu,
+                        const uint8_t *wd, const float *sd, int64_t M, int64_t HD, int64_t D, int64_t I,
+                        Scratch *t) {
+    team_q8u8(wo, so, a, lda, t->h2, M, D, HD, t->xq, t->xs, t->corr);  /* o(a), then h2 = h + o(a) */
+    #pragma omp single
+    {
+        for (int64_t i = 0; i < M * D; i++) t->h2[i] = to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(t->h2[i]));
+        agentmem_rms_norm_bf16(t->h2, D, nw, t->nx, M, D, eps);
+    }
+    team_q8u8(wgu, sgu, t->nx, D, t->gu, M, 2 * I, D, t->xq, t->xs, t->corr);
+    #pragma omp single
+    agentmem_silu_mul_bf16(t->gu, 2 * I, t->sx, M, I);
+    team_q8u8(wd, sd, t->sx, I, out, M, D, I, t->xq, t->xs, t->corr);  /* down, then out = h2 + down */
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * D; i++) out[i] = to_bf16(bf16_to_f32(t->h2[i]) + bf16_to_f32(out[i]));
+}
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
 /* The first half of a decoder layer's products for M <= 8 bf16 rows on the u8 route, in one
-   call and one team of threads: qkv = wqkv(rms_norm(h)) [M, NQKV] bf16, then the first QK
-   heads of each row (q and k) rotated into qk [M, QK, hd] (`agentmem_rope_bf16`'s tables and
-   rounding), bit-identical to the three separate calls. */
+   call and one team of threads (`team_qkv`), bit-identical to the three separate calls. */
 __attribute__((target("avx512vnni")))
 void agentmem_qkv_q8u8(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const float *s,
                        const float *cs, const float *sn, uint16_t *qkv, uint16_t *qk, int64_t M, int64_t D,
                        int64_t NQKV, int64_t QK, int64_t hd, int threads) {
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * D + 63) / 64 * 64));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (D / U8_BLOCK)));
-    float corr[8];
-    uint16_t *nx = (uint16_t *)malloc(2 * (size_t)(M * D));
+    Scratch t = scratch_new(M, D, 1, 1);
     #pragma omp parallel num_threads(threads)
-    {
-        #pragma omp single
-        agentmem_rms_norm_bf16(h, D, nw, nx, M, D, eps);
-        team_q8u8(w, s, nx, D, qkv, M, NQKV, D, xq, xs, corr);
-        #pragma omp single
-        agentmem_rope_bf16(qkv, NQKV, cs, sn, qk, M, QK, hd);
-    }
-    free(xq);
-    free(xs);
-    free(nx);
+    team_qkv(h, nw, eps, w, s, cs, sn, qkv, qk, M, D, NQKV, QK, hd, &t);
+    scratch_free(&t);
 }
 
 /* The second half of a decoder layer (`Block.finish`) for M <= 8 bf16 rows with every weight
-   on the u8 route, in one call and one team of threads instead of seven calls and three:
-   h2 = h + o(a); out = h2 + down(silu(gate) * up) of rms_norm(h2), gate/up = gu(norm), each
-   step rounded to bf16 where the separate calls round (bit-identical to them). a [M, HD]
-   (rows lda apart), h/out [M, D], nw [D] bf16; o [D, HD], gu [2I, D], down [D, I] packed by
-   `pack_u8` with their scales. */
+   on the u8 route, in one call and one team of threads instead of seven calls and three
+   (`team_finish`), bit-identical to them. a [M, HD] (rows lda apart), h/out [M, D], nw [D]
+   bf16; o [D, HD], gu [2I, D], down [D, I] packed by `pack_u8` with their scales. */
 __attribute__((target("avx512vnni")))
 void agentmem_finish_q8u8(const uint16_t *a, int64_t lda, const uint16_t *h, uint16_t *out,
                           const uint8_t *wo, const float *so, const uint16_t *nw, float eps,
                           const uint8_t *wgu, const float *sgu, const uint8_t *wd, const float *sd,
                           int64_t M, int64_t HD, int64_t D, int64_t I, int threads) {
-    const int64_t kmax = HD > D ? (HD > I ? HD : I) : (D > I ? D : I);
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * kmax + 63) / 64 * 64));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (kmax / U8_BLOCK)));
-    float corr[8];
-    uint16_t *h2 = (uint16_t *)malloc(2 * (size_t)(M * D)), *nx = (uint16_t *)malloc(2 * (size_t)(M * D));
-    uint16_t *gu = (uint16_t *)malloc(4 * (size_t)(M * I)), *sx = (uint16_t *)malloc(2 * (size_t)(M * I));
+    Scratch t = scratch_new(M, max3(HD, D, I), I, 1);
+    #pragma omp parallel num_threads(threads)
+    team_finish(a, lda, h, out, wo, so, nw, eps, wgu, sgu, wd, sd, M, HD, D, I, &t);
+    scratch_free(&t);
+}
+
+/* A whole decoder layer for M <= 8 decode rows (one query each) on the u8 route, in one call
+   and one team of threads: `team_qkv`; each row's rotated k and its v written to the paged
+   pool at wslot[m] (kp/vp: this layer's pool, [slots, KV, hd]); the decode attention of each
+   row over its keys (idx/keep [M, W], as `agentmem_decode_attn_bf16`), one (row, KV head) task
+   per thread turn; `team_finish`. Bit-identical to the separate calls. */
+__attribute__((target("avx512vnni")))
+void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, const uint16_t *nw2, float eps,
+                         const uint8_t *wqkv, const float *sqkv, const float *cs, const float *sn,
+                         uint16_t *kp, uint16_t *vp, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
+                         int64_t W, float scale, const uint8_t *wo, const float *so, const uint8_t *wgu,
+                         const float *sgu, const uint8_t *wd, const float *sd, int64_t M, int64_t D, int64_t H,
+                         int64_t KV, int64_t hd, int64_t I, int threads) {
+    const int64_t NQKV = (H + 2 * KV) * hd, QK = H + KV, row = KV * hd;
+    Scratch t = scratch_new(M, max3(H * hd, D, I), I, NQKV);
     #pragma omp parallel num_threads(threads)
     {
-        team_q8u8(wo, so, a, lda, h2, M, D, HD, xq, xs, corr);  /* o(a), then h2 = h + o(a) */
+        team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t.qkv, t.qk, M, D, NQKV, QK, hd, &t);
         #pragma omp single
-        {
-            for (int64_t i = 0; i < M * D; i++) h2[i] = to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(h2[i]));
-            agentmem_rms_norm_bf16(h2, D, nw, nx, M, D, eps);
+        for (int64_t m = 0; m < M; m++) {
+            memcpy(kp + wslot[m] * row, t.qk + m * QK * hd + H * hd, 2 * (size_t)row);
+            memcpy(vp + wslot[m] * row, t.qkv + m * NQKV + QK * hd, 2 * (size_t)row);
         }
-        team_q8u8(wgu, sgu, nx, D, gu, M, 2 * I, D, xq, xs, corr);
-        #pragma omp single
-        agentmem_silu_mul_bf16(gu, 2 * I, sx, M, I);
-        team_q8u8(wd, sd, sx, I, out, M, D, I, xq, xs, corr);  /* down, then out = h2 + down */
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * D; i++) out[i] = to_bf16(bf16_to_f32(h2[i]) + bf16_to_f32(out[i]));
+        for (int64_t task = 0; task < M * KV; task++)
+            decode_attn_task(t.qk, QK * hd, kp, vp, idx, keep, t.attn, task, H, KV, hd, W, scale);
+        team_finish(t.attn, H * hd, h, out, wo, so, nw2, eps, wgu, sgu, wd, sd, M, H * hd, D, I, &t);
     }
-    free(xq);
-    free(xs);
-    free(h2);
-    free(nx);
-    free(gu);
-    free(sx);
+    scratch_free(&t);
 }
 """
 
@@ -932,6 +1000,8 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
     "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "agentmem_qkv_q8u8": [_P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I32],
+    "agentmem_layer_q8u8": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I,
+                            ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I32],
     "agentmem_finish_q8u8": [_P, _I, _P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I, _I, _I32],
 }
 _lib: ctypes.CDLL | None = None
@@ -1302,6 +1372,42 @@ def finish_q8u8(lib: ctypes.CDLL, h: torch.Tensor, attn: torch.Tensor, o, gate_u
                              gate_up.w_gemv.data_ptr(), gate_up.scale.data_ptr(), down.w_gemv.data_ptr(),
                              down.scale.data_ptr(), m, attn.shape[1], d, down.in_features,
                              torch.get_num_threads())
+    return out
+
+
+def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor,
+               keep: torch.Tensor) -> torch.Tensor | None:
+    """A whole decoder layer (`Block.forward`) for decode rows h [M, D] in one call
+    (`agentmem_layer_q8u8`): norm, qkv, RoPE, the rows' K/V written to this layer's paged pool
+    (k_pool/v_pool [..., KV, hd]) at `slots` [M], the decode attention over each row's keys
+    (idx [M * W] flat slots, keep [M, W] uint8, as `decode_attention`), then `finish`;
+    bit-identical to the separate calls. None where it does not take these (the caller runs
+    the separate calls)."""
+    a = block.args
+    m = h.shape[0]
+    w = keep.numel() // max(m, 1)
+    if not (qkv_takes(h, block.qkv_p, block.input_norm.weight, cos, a.head_dim)
+            and block.q_norm is None and block.input_norm.eps == block.post_norm.eps
+            and all(p.fmt == "int8" and p.q8_route == "u8" and p.w_gemv is not None and p.bias is None
+                    for p in (block.o_p, block.gate_up_p, block.down_p))
+            and block.post_norm.weight.dtype == torch.bfloat16 and a.sliding_window is None
+            and k_pool.dtype == v_pool.dtype == torch.bfloat16 and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
+            and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous()
+            and a.head_dim <= MAX_HEAD_DIM and a.n_heads // a.n_kv_heads <= MAX_GROUP):
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = slots.contiguous()
+    out = torch.empty_like(h)
+    lib.agentmem_layer_q8u8(h.data_ptr(), out.data_ptr(), block.input_norm.weight.data_ptr(),
+                            block.post_norm.weight.data_ptr(), block.input_norm.eps, block.qkv_p.w_gemv.data_ptr(),
+                            block.qkv_p.scale.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+                            v_pool.data_ptr(), slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w,
+                            a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(), block.o_p.scale.data_ptr(),
+                            block.gate_up_p.w_gemv.data_ptr(), block.gate_up_p.scale.data_ptr(),
+                            block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m, h.shape[1],
+                            a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, torch.get_num_threads())
     return out
 
 
