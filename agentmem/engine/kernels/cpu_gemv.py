@@ -855,7 +855,7 @@ __attribute__((target("avx512vnni")))
 static void team_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, int64_t ldx, uint16_t *y,
                       int64_t M, int64_t N, int64_t K, int8_t *xq, float *xs, float *corr) {
     const int64_t nb = K / U8_BLOCK;
-    #pragma omp single
+    #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, corr + m);
     #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
@@ -899,11 +899,12 @@ __attribute__((target("avx512vnni")))
 static void team_qkv(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const float *s,
                      const float *cs, const float *sn, uint16_t *qkv, uint16_t *qk, int64_t M, int64_t D,
                      int64_t NQKV, int64_t QK, int64_t hd, Scratch *t) {
-    #pragma omp single
-    agentmem_rms_norm_bf16(h, D, nw, t->nx, M, D, eps);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) agentmem_rms_norm_bf16(h + m * D, D, nw, t->nx + m * D, 1, D, eps);
     team_q8u8(w, s, t->nx, D, qkv, M, NQKV, D, t->xq, t->xs, t->corr);
-    #pragma omp single
-    agentmem_rope_bf16(qkv, NQKV, cs, sn, qk, M, QK, hd);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        agentmem_rope_bf16(qkv + m * NQKV, NQKV, cs + m * hd, sn + m * hd, qk + m * QK * hd, 1, QK, hd);
 }
 
 /* For the calling team, `Block.finish`: h2 = h + o(a); out = h2 + down(silu(gate) * up) of
@@ -914,14 +915,15 @@ static void team_finish(const uint16_t *a, int64_t lda, const uint16_t *h, uint1
                         const uint8_t *wd, const float *sd, int64_t M, int64_t HD, int64_t D, int64_t I,
                         Scratch *t) {
     team_q8u8(wo, so, a, lda, t->h2, M, D, HD, t->xq, t->xs, t->corr);  /* o(a), then h2 = h + o(a) */
-    #pragma omp single
-    {
-        for (int64_t i = 0; i < M * D; i++) t->h2[i] = to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(t->h2[i]));
-        agentmem_rms_norm_bf16(t->h2, D, nw, t->nx, M, D, eps);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        uint16_t *r = t->h2 + m * D;
+        for (int64_t i = 0; i < D; i++) r[i] = to_bf16(bf16_to_f32(h[m * D + i]) + bf16_to_f32(r[i]));
+        agentmem_rms_norm_bf16(r, D, nw, t->nx + m * D, 1, D, eps);
     }
     team_q8u8(wgu, sgu, t->nx, D, t->gu, M, 2 * I, D, t->xq, t->xs, t->corr);
-    #pragma omp single
-    agentmem_silu_mul_bf16(t->gu, 2 * I, t->sx, M, I);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) agentmem_silu_mul_bf16(t->gu + m * 2 * I, 2 * I, t->sx + m * I, 1, I);
     team_q8u8(wd, sd, t->sx, I, out, M, D, I, t->xq, t->xs, t->corr);  /* down, then out = h2 + down */
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < M * D; i++) out[i] = to_bf16(bf16_to_f32(t->h2[i]) + bf16_to_f32(out[i]));
@@ -973,7 +975,7 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
     #pragma omp parallel num_threads(threads)
     {
         team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t.qkv, t.qk, M, D, NQKV, QK, hd, &t);
-        #pragma omp single
+        #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             memcpy(kp + wslot[m] * row, t.qk + m * QK * hd + H * hd, 2 * (size_t)row);
             memcpy(vp + wslot[m] * row, t.qkv + m * NQKV + QK * hd, 2 * (size_t)row);
