@@ -220,7 +220,7 @@ def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     assert calls == [1, cpu_gemv.MAX_ROWS]
 
 
-@pytest.mark.parametrize("rows,dim", [(1, 576), (8, 960), (3, 100)])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (8, 960), (3, 100), (2048, 576)])
 def test_rms_norm_rounds_as_the_torch_path(lib, rows, dim):
     import torch.nn.functional as F
 
@@ -231,7 +231,7 @@ def test_rms_norm_rounds_as_the_torch_path(lib, rows, dim):
     w = (torch.rand(dim, generator=g) + 0.5).bfloat16()
     ref = w * F.rms_norm(x.float(), w.shape, eps=1e-5).to(torch.bfloat16)  # the engine's bf16 rule
     assert torch.equal(cpu_gemv.rms_norm(lib, x, w, 1e-5), ref)
-    assert torch.equal(rms_norm(x, w, 1e-5), ref)  # what the layers call for decode rows
+    assert torch.equal(rms_norm(x, w, 1e-5), ref)  # what the layers call, decode rows and prefill (its rows shared out)
 
 
 def _causal_reference(q, k, v, q_pos):

@@ -512,9 +512,11 @@ void agentmem_silu_mul_bf16(const uint16_t *gu, int64_t ld, uint16_t *y, int64_t
 
 /* RMSNorm of bf16 rows as the engine's bf16 path computes it: normalised in fp32, rounded to
    bf16, then multiplied by the bf16 weight and rounded again. x, y [M, D] bf16 (rows ldx and D
-   apart), w [D] bf16. One call instead of four torch ops per norm (61 a decode token). */
+   apart), w [D] bf16. One call instead of four torch ops per norm (61 a decode token); rows
+   shared out past 16 (a 2,048-row prefill: 0.5 ms serial against torch's 2.8, AMX Xeon VM). */
 void agentmem_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t M,
                             int64_t D, float eps) {
+    #pragma omp parallel for if (M > 16) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xm = x + m * ldx;
         uint16_t *ym = y + m * D;
