@@ -499,10 +499,10 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, r
     real = cpu_gemv.finish_q8u8
     monkeypatch.setattr(cpu_gemv, "finish_q8u8", lambda *a: calls.append(1) or real(*a))
     fused = block.finish(h, attn)
-    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
     separate = block.finish(h, attn)
     assert calls == [1] and torch.equal(fused, separate) and fused.abs().max() > 0
-    monkeypatch.setattr(M, "FUSED_FINISH", True)
+    monkeypatch.setattr(M, "FUSED_DECODE", True)
     many = torch.randn(cpu_gemv.MAX_FINISH_ROWS + 1, 128).bfloat16()
     block.finish(many, torch.randn(len(many), 4, 32).bfloat16())
     assert calls == [1]  # nine rows: the separate calls
@@ -535,7 +535,7 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
     real = cpu_gemv.qkv_q8u8
     monkeypatch.setattr(cpu_gemv, "qkv_q8u8", lambda *a: calls.append(1) or real(*a))
     fused = block(h, pos, rotary, attn)
-    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
     separate = block(h, pos, rotary, attn)
     assert calls == [1] and torch.equal(fused, separate)
     assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
@@ -585,7 +585,7 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
         pool.v[i].index_copy_(0, slots, v)
         return cpu_gemv.decode_attention(lib, q, pool.k[i], pool.v[i], idx.flatten(), keep)
 
-    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
     separate = block(h, pos, rotary, attn)
     assert torch.equal(fused, separate) and torch.equal(fused_pool.k, pool.k) and torch.equal(fused_pool.v, pool.v)
     assert not torch.equal(pool.k, k0)  # the rows' keys were written

@@ -390,7 +390,7 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     one = [ids(30, seed=1)]
     got_one = drive(e, EngineLoop(e), one, 64)
     assert fused_rows and set(fused_rows) == {1}
-    monkeypatch.setattr(M, "FUSED_FINISH", False)
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
     fused_rows.clear()
     assert got_one == drive(e, EngineLoop(e), one, 64)
     assert fused_rows == []

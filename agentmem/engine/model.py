@@ -24,10 +24,11 @@ from .linear import Proj
 
 # The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
 LM_HEAD_TRANSPOSED_MAX_ROWS = 2
-# decode rows of a layer whose weights are all int8 on the u8 route take each half of the layer's
-# products as one C call (cpu_gemv.qkv_q8u8, finish_q8u8); AGENTMEM_FUSED_FINISH=off keeps the
-# separate calls (A/B)
-FUSED_FINISH = os.environ.get("AGENTMEM_FUSED_FINISH", "on") != "off"
+# Decode rows (at most 8) of a layer whose weights are all int8 on the u8 route run the whole
+# layer as one C call when the runner hands over the paged pool (cpu_gemv.layer_q8u8), else each
+# half of it (qkv_q8u8, finish_q8u8). AGENTMEM_FUSED_DECODE=off keeps the separate calls: a
+# kernel A/B switch read here, as AGENTMEM_ATTN_KERNEL and AGENTMEM_GEMV are in cpu_gemv.
+FUSED_DECODE = os.environ.get("AGENTMEM_FUSED_DECODE", "on") != "off"
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class Block(nn.Module):
         attn = attn_out.reshape(attn_out.shape[0], -1)
         projs = (self.o_p, self.gate_up_p, self.down_p)
         if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and not torch.compiler.is_compiling()
-                and (lib := cpu_gemv.loaded()) and FUSED_FINISH
+                and (lib := cpu_gemv.loaded()) and FUSED_DECODE
                 and cpu_gemv.finish_takes(h, attn, projs, self.post_norm.weight)):
             # decode rows: one C call and one team of threads for the seven steps below (same bits)
             return cpu_gemv.finish_q8u8(lib, h, attn, *projs, self.post_norm.weight, self.post_norm.eps)
@@ -154,7 +155,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         a = self.args
         qk_end = a.n_heads + a.n_kv_heads
-        if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and FUSED_FINISH and self.q_norm is None
+        if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and FUSED_DECODE and self.q_norm is None
                 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
             cos, sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
             if (paged := getattr(attn, "decode_pool", None)) is not None:
