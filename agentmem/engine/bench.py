@@ -173,8 +173,15 @@ def ours_prefill_s(engine: Engine, loop: EngineLoop, ids: list[int]) -> float:
     return engine.generate(ids, max_tokens=1, loop=loop).stats.ttft_s
 
 
+# Decode is timed over exactly `new_tokens` tokens, as HF's generate() makes them: no stop at EOS
+# and no loop cut. With the loop detector on (the default for replies), a greedy story of the
+# 135M model was cut at 105-190 of 256 tokens, after decode steps whose tokens it rolled back,
+# so tok/s read low and moved from run to run (8 streams: some streams ended early).
+TIMED = {"ignore_eos": True, "stop_loops": False}
+
+
 def ours_decode_tok_s(engine: Engine, loop: EngineLoop, prompt, new_tokens: int) -> float:
-    s = engine.generate(prompt, max_tokens=new_tokens, ignore_eos=True, loop=loop).stats
+    s = engine.generate(prompt, max_tokens=new_tokens, loop=loop, **TIMED).stats
     return (s.completion_tokens - 1) / (s.total_s - s.ttft_s)
 
 
@@ -182,7 +189,7 @@ def ours_batch(engine: Engine, loop: EngineLoop, prompts, new_tokens: int) -> tu
     """(decode tok/s of all streams together, paged KV utilisation, contiguous-reserve one)."""
     loop.reset_stats()
     t0 = time.perf_counter()
-    streams = [engine.stream(p, max_tokens=new_tokens, ignore_eos=True, loop=loop) for p in prompts]
+    streams = [engine.stream(p, max_tokens=new_tokens, loop=loop, **TIMED) for p in prompts]
     for s in streams:
         for _ in s:
             pass
