@@ -1328,24 +1328,31 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def finish_takes(h: torch.Tensor, attn: torch.Tensor, projs: tuple, norm_w: torch.Tensor) -> bool:
-    """Whether `finish_q8u8` takes this layer's second half: at most MAX_FINISH_ROWS contiguous
-    bf16 rows on the CPU, and o, gate/up and down all int8 on the u8 route without bias."""
-    return (h.dtype == attn.dtype == norm_w.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2
-            and 0 < h.shape[0] <= MAX_FINISH_ROWS and h.is_contiguous() and attn.is_contiguous()
-            and all(p.fmt == "int8" and p.q8_route == "u8" and p.w_gemv is not None and p.bias is None
-                    for p in projs))
-
-
 MAX_FINISH_ROWS = 8  # the fused halves' rows (one tile of the u8 products)
 
 
-def qkv_takes(h: torch.Tensor, qkv, norm_w: torch.Tensor, cos: torch.Tensor, hd: int) -> bool:
-    """Whether `qkv_q8u8` takes these rows: `finish_takes`' conditions for the fused qkv
-    projection, and fp32 RoPE tables [M, hd] (hd a multiple of 32)."""
+def _fused_rows(h: torch.Tensor, norm_w: torch.Tensor) -> bool:
+    """Rows the fused layer functions take: 1 to MAX_FINISH_ROWS contiguous bf16 rows on the
+    CPU, normed by a bf16 weight."""
     return (h.dtype == norm_w.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2
-            and 0 < h.shape[0] <= MAX_FINISH_ROWS and h.is_contiguous() and qkv.fmt == "int8"
-            and qkv.q8_route == "u8" and qkv.w_gemv is not None and qkv.bias is None and hd % 32 == 0
+            and 0 < h.shape[0] <= MAX_FINISH_ROWS and h.is_contiguous())
+
+
+def _on_u8(*projs) -> bool:
+    """Whether every `Proj` is int8 on the u8 route (its GEMV layout built) without a bias."""
+    return all(p.fmt == "int8" and p.q8_route == "u8" and p.w_gemv is not None and p.bias is None for p in projs)
+
+
+def finish_takes(h: torch.Tensor, attn: torch.Tensor, projs: tuple, norm_w: torch.Tensor) -> bool:
+    """Whether `finish_q8u8` takes this layer's second half: `_fused_rows`, contiguous bf16
+    attention rows, and o, gate/up and down all `_on_u8`."""
+    return _fused_rows(h, norm_w) and attn.dtype == torch.bfloat16 and attn.is_contiguous() and _on_u8(*projs)
+
+
+def qkv_takes(h: torch.Tensor, qkv, norm_w: torch.Tensor, cos: torch.Tensor, hd: int) -> bool:
+    """Whether `qkv_q8u8` takes these rows: `_fused_rows`, the fused qkv projection `_on_u8`,
+    and fp32 RoPE tables [M, hd] (hd a multiple of 32)."""
+    return (_fused_rows(h, norm_w) and _on_u8(qkv) and hd % 32 == 0
             and cos.dtype == torch.float32 and cos.shape == (h.shape[0], hd))
 
 
@@ -1393,8 +1400,7 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
     w = keep.numel() // max(m, 1)
     if not (qkv_takes(h, block.qkv_p, block.input_norm.weight, cos, a.head_dim)
             and block.q_norm is None and block.input_norm.eps == block.post_norm.eps
-            and all(p.fmt == "int8" and p.q8_route == "u8" and p.w_gemv is not None and p.bias is None
-                    for p in (block.o_p, block.gate_up_p, block.down_p))
+            and _on_u8(block.o_p, block.gate_up_p, block.down_p)
             and block.post_norm.weight.dtype == torch.bfloat16 and a.sliding_window is None
             and k_pool.dtype == v_pool.dtype == torch.bfloat16 and k_pool.is_contiguous() and v_pool.is_contiguous()
             and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
