@@ -45,3 +45,14 @@ def test_the_ttft_prompt_is_a_chat_turn_of_exactly_the_asked_tokens(engine):
     assert len(ids) == 350 and ids != chat_prompt_ids(engine, 350, seed=1)
     prefix = engine.encode(engine.chat.generation_prefix)
     assert ids[-len(prefix):] == prefix  # the prompt ends where the reply starts
+
+
+def test_timed_decode_runs_every_asked_token_of_a_looping_reply(engine):
+    """The engine bench times decode over exactly its tokens, as HF's generate() makes them: a
+    reply the loop detector would cut (a greedy reply that repeats) runs to its length."""
+    from agentmem.engine.bench import TIMED
+
+    segs = engine.chat_segments([{"role": "user", "content": "I moved to Lisbon last month and I work as a pharmacist."}])
+    assert engine.generate(segs, max_tokens=96, temperature=0.0).stats.finish_reason == "repetition"
+    timed = engine.generate(segs, max_tokens=96, temperature=0.0, **TIMED)
+    assert timed.stats.finish_reason == "length" and timed.stats.completion_tokens == 96
