@@ -73,8 +73,11 @@ def test_proj_uses_the_kernel_for_few_rows_only(lib, monkeypatch):
     assert calls == [1, cpu_gemv.MAX_ROWS]
 
 
+# the last three: a row's keys in several chunks, the first ones wholly outside the window
+# (the merge skips them), more than 4 heads a KV head, and a width that is no multiple of 64
 @pytest.mark.parametrize("rows,heads,kv,hd,width", [(1, 9, 3, 64, 5), (8, 9, 3, 64, 160), (3, 8, 1, 128, 40),
-                                                    (2, 4, 4, 32, 17)])
+                                                    (2, 4, 4, 32, 17), (1, 9, 3, 64, 1500), (2, 16, 2, 256, 600),
+                                                    (3, 6, 2, 96, 700)])
 def test_decode_attention_matches_the_softmax_over_the_visible_keys(lib, rows, heads, kv, hd, width):
     g = torch.Generator().manual_seed(rows * width + hd)
     k_pool = torch.randn(64, 16, kv, hd, generator=g).bfloat16()

@@ -434,6 +434,7 @@ def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model"] == tiny.path.name and out["max_logit_err"] <= 1e-4
     assert type(tiny.hf).__name__ in out["peer"] and out["prefill_tok_s"] > 0
+    assert out["decode_long_tok_s"] > 0 and out["hf_decode_long_tok_s"] > 0
     # one token a forward over the KV before it reads the text as one forward over all of it
     assert out["decode_perplexity"]["fp32"] == pytest.approx(out["perplexity"]["fp32"], rel=1e-3)
     assert out["decode_perplexity"]["int8"] == pytest.approx(out["perplexity"]["int8"], rel=0.05)

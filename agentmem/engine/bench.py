@@ -11,6 +11,8 @@ interleaved, so both see the same load on a shared machine):
   its KV cache. Ours runs eager and compiled (engine/compiled.py; `compile_s` is what its
   buckets took to compile or load from the disk cache in this run), in the weight format
   chosen here (`weights`, engine/linear.py) and in int8; `decode_tok_s` is the default setup.
+- decode_long: the same, one stream, after the `--prompt-tokens` prose prompt, HF's likewise:
+  what a memory turn's reply costs, each token's attention reading every key before it.
 - ttft_350: time to first token of a 350-token chat prompt (what a memory turn costs).
 - batch: `--streams` concurrent streams (default 8) through the scheduler, eager and compiled
   runs interleaved (`batch_decode_tok_s_by_path`; the figure is the path compile=auto keeps,
@@ -392,6 +394,17 @@ def main(argv: list[str]) -> int:
         hf_all.append(hf_generate_s(hf, chat_ids, args.new_tokens, device))
     hf_decode = (args.new_tokens - 1) / (min(hf_all) - min(hf_one))
 
+    # what a memory turn decodes over: the reply after a long prompt, where each token's
+    # attention reads every key before it (the chat prompt above is ~30 tokens)
+    log(f"decode {args.new_tokens} tokens after a {len(ids)}-token prompt, one stream ...")
+    long_ours, long_hf_one, long_hf_all = [], [], []
+    for r in range(args.repeats):
+        rotated = ids[r + 1:] + ids[:r + 1]
+        long_ours.append(ours_decode_tok_s(engine, default, rotated, args.new_tokens))
+        long_hf_one.append(hf_generate_s(hf, rotated, 1, device))
+        long_hf_all.append(hf_generate_s(hf, rotated, args.new_tokens, device))
+    hf_decode_long = (args.new_tokens - 1) / (min(long_hf_all) - min(long_hf_one))
+
     # compile=auto keeps, per bucket, the faster of the two paths as timed at run time
     # (compiled.py); compile=on always runs compiled
     measured = on and engine.config.compile == "auto"
@@ -445,6 +458,9 @@ def main(argv: list[str]) -> int:
         "hf_prefill_tok_s": round(args.prompt_tokens / min(hf_pf), 1),
         "decode_tok_s": round(decode, 2),
         "hf_decode_tok_s": round(hf_decode, 2),
+        "decode_long_tok_s": round(max(long_ours), 2),
+        "hf_decode_long_tok_s": round(hf_decode_long, 2),
+        "decode_long_speedup_vs_hf": round(max(long_ours) / hf_decode_long, 2),
         "weights": weights,
         "rows_math": rows_math,
         "rows_attention": cpu_gemv.rows_route(margs.n_heads, margs.n_kv_heads, margs.head_dim)
@@ -484,7 +500,7 @@ def main(argv: list[str]) -> int:
         **(llamacpp_figures(model_path, ids, chat_ids, args.new_tokens, threads)
            if model_path is None or model_path.suffix == ".gguf"
            else {"llamacpp_prefill_tok_s": None, "llamacpp_decode_tok_s": None}),
-        "prompt_tokens": args.prompt_tokens,
+        "prompt_tokens": args.prompt_tokens,  # prefill's, and decode_long's prompt
         "new_tokens": args.new_tokens,
         "streams": args.streams,
         "repeats": args.repeats,

@@ -563,107 +563,204 @@ static inline __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
-/* One decode query per sequence over its keys in the paged pool, for one query head group per
-   task: out[b, h] = softmax(q[b, h] . K * scale) V over the keys j of row b with keep[b, j],
-   at flat pool slots idx[b, j]. q/out bf16 [B, H, hd]; kp/vp bf16 [slots, KV, hd]; hd a
-   multiple of 32 (at most 256), H a multiple of KV. The scores are fp32 sums of exact bf16
-   products (vdpbf16ps), the softmax and the weighted sum of V fp32. */
-static void decode_attn_task(const uint16_t *q, int64_t ldq, const uint16_t *kp, const uint16_t *vp,
-                             const int64_t *idx, const uint8_t *keep, uint16_t *out, int64_t task, int64_t H,
-                             int64_t KV, int64_t hd, int64_t W, float scale);
+/* One decode query per sequence over its keys in the paged pool: out[b, h] = softmax(q[b, h] . K
+   * scale) V over the keys j of row b with keep[b, j], at flat pool slots idx[b, j]. q/out bf16
+   [B, H, hd]; kp/vp bf16 [slots, KV, hd]; hd a multiple of 32 (at most 256), H a multiple of KV.
+   The scores are fp32 sums of exact bf16 products (vdpbf16ps), the softmax and the weighted sum
+   of V fp32.
+   A row's keys are cut into chunks of `ch` (`da_chunk`: about four chunks a thread over all the
+   rows, 32 to DA_MAX keys), and each (row, chunk) item computes, for every head, the chunk's
+   score maximum, its sum of exp(score - max) and the unnormalised sum of V (`da_item`); a merge
+   rescales the chunks to the row's maximum (`da_merge`). So one row's long history is shared by
+   all the threads (it used to be one task per (row, KV head): 3 tasks for 2 threads at one
+   stream), each item reads whole pool rows (all KV heads of a key) while they are in cache, the
+   next keys are prefetched while the scores of these are summed, and the weighted sum of V keeps
+   its accumulators in registers (`pv_heads`, unrolled per head count and width). With one chunk
+   the result is that of a single softmax pass. Session 32, 2-core AMX Xeon VM, SmolLM2-135M's
+   heads (9 of 64, 3 KV), the layer's pool cold: see docs/engine.md. */
+#define DA_MAX 256
 
-void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, const int64_t *idx,
-                               const uint8_t *keep, uint16_t *out, int64_t B, int64_t H, int64_t KV,
-                               int64_t hd, int64_t W, float scale, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < B * KV; task++)
-        decode_attn_task(q, H * hd, kp, vp, idx, keep, out, task, H, KV, hd, W, scale);
+static int64_t da_chunk(int64_t B, int64_t W, int threads) {
+    int64_t ch = (W * B + 4 * (int64_t)threads - 1) / (4 * (int64_t)(threads > 0 ? threads : 1));
+    ch = (ch + 15) / 16 * 16;
+    return ch < 32 ? 32 : ch > DA_MAX ? DA_MAX : ch;
 }
 
-/* One (row b, KV head) task of `agentmem_decode_attn_bf16`, q's rows ldq elements apart. */
-static void decode_attn_task(const uint16_t *q, int64_t ldq, const uint16_t *kp, const uint16_t *vp,
-                             const int64_t *idx, const uint8_t *keep, uint16_t *out, int64_t task, int64_t H,
-                             int64_t KV, int64_t hd, int64_t W, float scale) {
-    const int64_t G = H / KV, nd = hd / 16;
-    {
-        const int64_t b = task / KV, kvh = task % KV;
-        int64_t *slot = (int64_t *)malloc(W * sizeof(int64_t));
-        float *s = (float *)malloc((G * W + 16) * sizeof(float));
-        int64_t nv = 0;
-        for (int64_t j = 0; j < W; j++)
-            if (keep[b * W + j]) slot[nv++] = idx[b * W + j];
-        const uint16_t *qg = q + b * ldq + kvh * G * hd;
-        const __m512 sc = _mm512_set1_ps(scale);
-        int64_t t0 = 0;
-        for (; t0 + 16 <= nv; t0 += 16) {  /* scores of 16 keys at a time, summed across lanes together */
-            for (int64_t g = 0; g < G; g++) {
-                __m512 a[16];
-                for (int j = 0; j < 16; j++) {
-                    const uint16_t *k = kp + (slot[t0 + j] * KV + kvh) * hd;
-                    a[j] = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < hd; d += 32)
-                        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + d),
-                                                (__m512bh)_mm512_loadu_si512(qg + g * hd + d));
-                }
-                _mm512_storeu_ps(s + g * W + t0, _mm512_mul_ps(hsum16(a), sc));
-            }
+/* acc[g][d] += s[g][t] * v_t over the n keys, for GN heads (score rows ls apart) and ND x 16
+   dims of V from `off` in each pool row (ldv elements); the sums go to o (heads ldo apart).
+   Inlined with constant GN, ND: the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv_heads(const uint16_t *vp, const int64_t *slot, int64_t n,
+                                                           int64_t ldv, int64_t off, const float *s, int64_t ls,
+                                                           const int GN, const int ND, float *o, int64_t ldo) {
+    __m512 acc[16];
+    for (int i = 0; i < GN * ND; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *v = vp + slot[t] * ldv + off;
+        for (int d = 0; d < ND; d++) {
+            const __m512 vv = load_bf16(v + 16 * d);
+            for (int g = 0; g < GN; g++)
+                acc[g * ND + d] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * ls + t]), vv, acc[g * ND + d]);
         }
-        for (int64_t t = t0; t < nv; t++) {  /* the last keys one at a time, each read once for the G heads */
-            const uint16_t *k = kp + (slot[t] * KV + kvh) * hd;
+    }
+    for (int g = 0; g < GN; g++)
+        for (int d = 0; d < ND; d++) _mm512_storeu_ps(o + g * ldo + 16 * d, acc[g * ND + d]);
+}
+
+static void pv_any(const uint16_t *vp, const int64_t *slot, int64_t n, int64_t ldv, int64_t off, const float *s,
+                   int64_t ls, int gn, int nd, float *o, int64_t ldo) {
+    #define PV(GN, ND) case GN * 8 + ND: pv_heads(vp, slot, n, ldv, off, s, ls, GN, ND, o, ldo); break;
+    switch (gn * 8 + nd) {
+        PV(1, 2) PV(2, 2) PV(3, 2) PV(4, 2) PV(1, 4) PV(2, 4) PV(3, 4) PV(4, 4)
+    }
+    #undef PV
+}
+
+/* The scores of 16 keys (pool rows ldv elements apart, from `off`) against one query head qg of
+   NK x 32 dims, times sc, into s[0..15]. Inlined with constant NK: q stays in registers. */
+static inline __attribute__((always_inline)) void scores16(const uint16_t *kp, const int64_t *slot, int64_t ldv,
+                                                           int64_t off, const uint16_t *qg, const int NK,
+                                                           __m512 sc, float *s) {
+    __m512bh qv[8];
+    for (int d = 0; d < NK; d++) qv[d] = (__m512bh)_mm512_loadu_si512(qg + 32 * d);
+    __m512 a[16];
+    for (int j = 0; j < 16; j++) {
+        const uint16_t *k = kp + slot[j] * ldv + off;
+        a[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qv[0]);
+        for (int d = 1; d < NK; d++) a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + 32 * d), qv[d]);
+    }
+    _mm512_storeu_ps(s, _mm512_mul_ps(hsum16(a), sc));
+}
+
+static void scores_any(const uint16_t *kp, const int64_t *slot, int64_t ldv, int64_t off, const uint16_t *qg,
+                       int nk, __m512 sc, float *s) {
+    #define SC(NK) case NK: scores16(kp, slot, ldv, off, qg, NK, sc, s); break;
+    switch (nk) { SC(1) SC(2) SC(3) SC(4) SC(5) SC(6) SC(7) SC(8) }
+    #undef SC
+}
+
+/* Item (b, c): row b's keys [c * ch, (c + 1) * ch) of W; per head h, part[h * (hd + 2)] holds the
+   chunk's score maximum, its exp sum and its unnormalised V sum [hd] (sum 0: no key kept). */
+static void da_item(const uint16_t *q, int64_t ldq, const uint16_t *kp, const uint16_t *vp, const int64_t *idx,
+                    const uint8_t *keep, int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd,
+                    int64_t W, float scale, float *part) {
+    const int64_t G = H / KV, lo = c * ch, hi = lo + ch < W ? lo + ch : W, ldv = KV * hd, ldp = hd + 2;
+    const int64_t lines = hd * 2 / 64;
+    int64_t slot[DA_MAX], n = 0;
+    for (int64_t j = lo; j < hi; j++)
+        if (keep[b * W + j]) slot[n++] = idx[b * W + j];
+    if (n == 0) {
+        for (int64_t h = 0; h < H; h++) part[h * ldp] = -INFINITY, part[h * ldp + 1] = 0.0f;
+        return;
+    }
+    float s[G * ch + 16];
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t kvh = 0; kvh < KV; kvh++) {
+        const uint16_t *qg = q + b * ldq + kvh * G * hd;
+        int64_t t0 = 0;
+        for (; t0 + 16 <= n; t0 += 16) {  /* scores of 16 keys at a time, summed across lanes together */
+            for (int64_t j = t0 + 16; j < t0 + 32 && j < n; j++)
+                for (int64_t l = 0; l < lines; l++) {
+                    _mm_prefetch((const char *)(kp + slot[j] * ldv + kvh * hd) + 64 * l, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vp + slot[j] * ldv + kvh * hd) + 64 * l, _MM_HINT_T0);
+                }
+            for (int64_t g = 0; g < G; g++)
+                scores_any(kp, slot + t0, ldv, kvh * hd, qg + g * hd, (int)(hd / 32), sc, s + g * ch + t0);
+        }
+        for (int64_t t = t0; t < n; t++) {  /* the last keys one at a time, each read once for the G heads */
+            const uint16_t *k = kp + slot[t] * ldv + kvh * hd;
             for (int64_t g = 0; g < G; g++) {
                 __m512 a = _mm512_setzero_ps();
                 for (int64_t d = 0; d < hd; d += 32)
                     a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + d),
                                          (__m512bh)_mm512_loadu_si512(qg + g * hd + d));
-                s[g * W + t] = _mm512_reduce_add_ps(a) * scale;
+                s[g * ch + t] = _mm512_reduce_add_ps(a) * scale;
             }
         }
-        float sum[32];
-        for (int64_t g = 0; g < G; g++) {  /* softmax numerators in place, and their sums */
-            float *sg = s + g * W;
-            float m = -INFINITY;
-            for (int64_t t = 0; t < nv; t++) m = sg[t] > m ? sg[t] : m;
-            __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+        for (int64_t g = 0; g < G; g++) {  /* softmax numerators in place, their maximum and sum */
+            float *sg = s + g * ch, *p = part + (kvh * G + g) * ldp;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
             int64_t t = 0;
-            for (; t + 16 <= nv; t += 16) {
+            for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+            if (t < n) mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << (n - t)) - 1), mx, _mm512_maskz_loadu_ps((__mmask16)((1u << (n - t)) - 1), sg + t));
+            const float m = _mm512_reduce_max_ps(mx);
+            __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+            t = 0;
+            for (; t + 16 <= n; t += 16) {
                 __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
                 _mm512_storeu_ps(sg + t, e);
                 acc = _mm512_add_ps(acc, e);
             }
-            if (t < nv) {
-                __mmask16 mk = (__mmask16)((1u << (nv - t)) - 1);
+            if (t < n) {
+                __mmask16 mk = (__mmask16)((1u << (n - t)) - 1);
                 __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + t), mv)));
                 _mm512_mask_storeu_ps(sg + t, mk, e);
                 acc = _mm512_add_ps(acc, e);
             }
-            sum[g] = _mm512_reduce_add_ps(acc);
+            p[0] = m;
+            p[1] = _mm512_reduce_add_ps(acc);
         }
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {  /* the weighted sum of V, 4 heads at a time */
-            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
-            __m512 o[4][16];
-            for (int64_t g = 0; g < gn; g++)
-                for (int64_t d = 0; d < nd; d++) o[g][d] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < nv; t++) {
-                const uint16_t *v = vp + (slot[t] * KV + kvh) * hd;
-                for (int64_t d = 0; d < nd; d++) {
-                    __m512 vv = load_bf16(v + 16 * d);
-                    for (int64_t g = 0; g < gn; g++)
-                        o[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[(g0 + g) * W + t]), vv, o[g][d]);
-                }
-            }
-            for (int64_t g = 0; g < gn; g++) {
-                uint16_t *og = out + (b * H + kvh * G + g0 + g) * hd;
-                const float inv = nv ? 1.0f / sum[g0 + g] : 0.0f;
-                float tmp[16];
-                for (int64_t d = 0; d < nd; d++) {
-                    _mm512_storeu_ps(tmp, _mm512_mul_ps(o[g][d], _mm512_set1_ps(inv)));
-                    for (int i = 0; i < 16; i++) og[16 * d + i] = to_bf16(tmp[i]);
-                }
-            }
-        }
-        free(slot);
-        free(s);
+        for (int64_t g0 = 0; g0 < G; g0 += 4)  /* the weighted sum of V, up to 4 heads and 64 dims a pass */
+            for (int64_t d0 = 0; d0 < hd; d0 += 64)
+                pv_any(vp, slot, n, ldv, kvh * hd + d0, s + g0 * ch, ch, G - g0 < 4 ? (int)(G - g0) : 4,
+                       hd - d0 >= 64 ? 4 : 2, part + (kvh * G + g0) * ldp + 2 + d0, ldp);
     }
+}
+
+/* out[b, h] from row b's nc chunk items: each chunk's sums rescaled to the row's maximum. */
+static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64_t b, int64_t h, uint16_t *out,
+                     int64_t ldo) {
+    const int64_t ldp = hd + 2, nd = hd / 16;
+    float mx = -INFINITY, L = 0.0f;
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + ((b * nc + c) * H + h) * ldp;
+        if (p[1] > 0.0f && p[0] > mx) mx = p[0];
+    }
+    __m512 o[16];
+    for (int64_t d = 0; d < nd; d++) o[d] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + ((b * nc + c) * H + h) * ldp;
+        if (!(p[1] > 0.0f)) continue;
+        const float w = expf(p[0] - mx);
+        L += w * p[1];
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int64_t d = 0; d < nd; d++) o[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p + 2 + 16 * d), o[d]);
+    }
+    const __m512 inv = _mm512_set1_ps(L > 0.0f ? 1.0f / L : 0.0f);
+    uint16_t *oh = out + b * ldo + h * hd;
+    float tmp[16];
+    for (int64_t d = 0; d < nd; d++) {
+        _mm512_storeu_ps(tmp, _mm512_mul_ps(o[d], inv));
+        for (int i = 0; i < 16; i++) oh[16 * d + i] = to_bf16(tmp[i]);
+    }
+}
+
+/* The decode attention of B rows for the calling team of threads: the items shared out as they
+   come (rows may keep different numbers of keys), then the merge; part: B * nc * H * (hd + 2)
+   floats, nc = ceil(W / ch). out's rows ldo elements apart. */
+static void team_decode_attn(const uint16_t *q, int64_t ldq, const uint16_t *kp, const uint16_t *vp,
+                             const int64_t *idx, const uint8_t *keep, uint16_t *out, int64_t ldo, int64_t B,
+                             int64_t H, int64_t KV, int64_t hd, int64_t W, float scale, int64_t ch, float *part) {
+    const int64_t nc = (W + ch - 1) / ch;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < B * nc; it++)
+        da_item(q, ldq, kp, vp, idx, keep, it / nc, it % nc, ch, H, KV, hd, W, scale, part + it * H * (hd + 2));
+    #pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) da_merge(part, nc, H, hd, bh / H, bh % H, out, ldo);
+}
+
+static float *da_part(int64_t B, int64_t W, int64_t H, int64_t hd, int64_t ch) {
+    return (float *)malloc(sizeof(float) * (size_t)(B * ((W + ch - 1) / ch) * H * (hd + 2) + 1));
+}
+
+void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, const int64_t *idx,
+                               const uint8_t *keep, uint16_t *out, int64_t B, int64_t H, int64_t KV,
+                               int64_t hd, int64_t W, float scale, int threads) {
+    if (B <= 0) return;
+    const int64_t ch = da_chunk(B, W, threads);
+    float *part = da_part(B, W, H, hd, ch);
+    #pragma omp parallel num_threads(threads)
+    team_decode_attn(q, H * hd, kp, vp, idx, keep, out, H * hd, B, H, KV, hd, W, scale, ch, part);
+    free(part);
 }
 
 /* Causal attention of query rows over a whole K/V (prefill chunks, CacheBlend's recomputed
@@ -963,8 +1060,8 @@ void agentmem_finish_q8u8(const uint16_t *a, int64_t lda, const uint16_t *h, uin
 /* A whole decoder layer for M <= 8 decode rows (one query each) on the u8 route, in one call
    and one team of threads: `team_qkv`; each row's rotated k and its v written to the paged
    pool at wslot[m] (kp/vp: this layer's pool, [slots, KV, hd]); the decode attention of each
-   row over its keys (idx/keep [M, W], as `agentmem_decode_attn_bf16`), one (row, KV head) task
-   per thread turn; `team_finish`. Bit-identical to the separate calls. */
+   row over its keys (idx/keep [M, W], as `agentmem_decode_attn_bf16`: `team_decode_attn`);
+   `team_finish`. Bit-identical to the separate calls. */
 __attribute__((target("avx512vnni")))
 void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, const uint16_t *nw2, float eps,
                          const uint8_t *wqkv, const float *sqkv, const float *cs, const float *sn,
@@ -974,6 +1071,8 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
                          int64_t KV, int64_t hd, int64_t I, int threads) {
     const int64_t NQKV = (H + 2 * KV) * hd, QK = H + KV, row = KV * hd;
     Scratch t = scratch_new(M, max3(H * hd, D, I), I, NQKV);
+    const int64_t ch = da_chunk(M, W, threads);
+    float *part = da_part(M, W, H, hd, ch);
     #pragma omp parallel num_threads(threads)
     {
         team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t.qkv, t.qk, M, D, NQKV, QK, hd, &t);
@@ -982,11 +1081,10 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
             memcpy(kp + wslot[m] * row, t.qk + m * QK * hd + H * hd, 2 * (size_t)row);
             memcpy(vp + wslot[m] * row, t.qkv + m * NQKV + QK * hd, 2 * (size_t)row);
         }
-        #pragma omp for schedule(static)
-        for (int64_t task = 0; task < M * KV; task++)
-            decode_attn_task(t.qk, QK * hd, kp, vp, idx, keep, t.attn, task, H, KV, hd, W, scale);
+        team_decode_attn(t.qk, QK * hd, kp, vp, idx, keep, t.attn, H * hd, M, H, KV, hd, W, scale, ch, part);
         team_finish(t.attn, H * hd, h, out, wo, so, nw2, eps, wgu, sgu, wd, sd, M, H * hd, D, I, &t);
     }
+    free(part);
     scratch_free(&t);
 }
 """
