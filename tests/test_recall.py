@@ -223,6 +223,12 @@ def test_transcript_prefixes_make_speakers(store):
         {"role": "user", "name": "Priya", "content": "Tom: is what he said", "created_at": T0 + timedelta(hours=1)},
         {"role": "user", "name": "Priya", "content": "Tom: and again", "created_at": T0 + timedelta(hours=1)}])
     assert [m.name for m in named] == ["Priya", "Priya"]
+    # the same transcript one message at a time: a prefix names a speaker this user already has
+    one = [store.add_messages("default", "alice", sid, [{"role": "user", "content": t}])[0]
+           for t in ("Priya: We adopted a second cat", "Paris: day 3 of the trip", "Note: Tom's birthday")]
+    assert [m.name for m in one] == ["Priya", None, None] and one[0].text == "Priya: We adopted a second cat"
+    assert store.add_messages("default", "bob", store.open_session("default", "bob").id,
+                              [{"role": "user", "content": "Priya: hi"}])[0].name is None  # another user's
 
 
 def test_message_times_as_imports_write_them(store):

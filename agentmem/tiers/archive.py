@@ -25,7 +25,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from . import ids as row_ids
 from . import lexical
 from . import records as R
-from .keys import attachment_text, message_text, transcript_speakers
+from .keys import attachment_text, message_text, prefix_name, transcript_speakers
 from .records import Conflict, InvalidInput, MessageMeta, NotFound
 from .schema import (
     AgentRow,
@@ -362,14 +362,31 @@ class Archive:
             extras.append(attachment_text(m, f"message {i}"))
         for row, extra in zip(rows, extras, strict=True):
             row.keys = extra or None
-        if rows and all(row.name is None for row in rows):  # a transcript flattened to role/content
+        unnamed = bool(rows) and all(row.name is None for row in rows)
+        if unnamed:  # a transcript flattened to role/content
             for row, name in zip(rows, transcript_speakers([row.text for row in rows]), strict=True):
                 row.name = name
         with self.tx() as s:
             self._check_session(s, tenant_id, user_id, session_id)
+            if unnamed and all(row.name is None for row in rows):
+                self._known_prefixes(s, tenant_id, user_id, rows)
             s.add_all(rows)
             s.flush()
             return [_message(r) for r in rows]
+
+    @staticmethod
+    def _known_prefixes(s: Session, tenant_id: str, user_id: str, rows: list[MessageRow]) -> None:
+        """A batch too small (or too mixed) to read as a transcript by itself, such as a
+        flattened transcript imported one message at a time: a "Name: " prefix names its
+        speaker when this user already has messages by that name (from an earlier transcript
+        batch or a `name` field); "Paris: day 3" stays text."""
+        prefixes = {prefix_name(row.text) for row in rows} - {None}
+        known = {n for n in prefixes if s.scalar(select(MessageRow.id).where(
+            MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id, MessageRow.name == n).limit(1))
+            is not None}
+        for row in rows:
+            if (name := prefix_name(row.text)) in known:
+                row.name = name
 
     def messages(self, tenant_id: str, user_id: str, session_id: str | None = None, after_id: int = 0,
                  ids: Iterable[int] | None = None) -> list[R.Message]:
