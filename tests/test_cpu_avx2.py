@@ -104,22 +104,39 @@ def test_rms_norm_and_rope_match_torch(lib, monkeypatch):
     assert torch.allclose(rotate(many, cos, sin), ref, atol=1e-6) and calls == [1]  # any number of rows
 
 
-@pytest.mark.parametrize("rows,width,heads,kv_heads,hd", [(1, 300, 9, 3, 64), (3, 37, 8, 8, 32), (2, 5, 4, 1, 128)])
-def test_decode_attention_matches_sdpa_over_gathered_keys(lib, rows, width, heads, kv_heads, hd):
+# past the first three: a row's keys in several chunks (1500 keys: 8 of `da_chunk`'s at one row
+# and 2 threads), the first chunks wholly outside a sliding window (the merge skips them), more
+# than 4 query heads a KV head (V summed in several passes), 17 a KV head (past the 16 scored
+# together), hd 96 and 256 (V's dims in passes of 4 and a ragged last one), hd 8, a row with no
+# kept key (zeros)
+@pytest.mark.parametrize("rows,width,heads,kv_heads,hd,window", [
+    (1, 300, 9, 3, 64, False), (3, 37, 8, 8, 32, False), (2, 5, 4, 1, 128, False), (1, 1500, 9, 3, 64, False),
+    (2, 1500, 9, 3, 64, True), (3, 700, 12, 2, 96, True), (2, 600, 16, 2, 256, True), (2, 300, 17, 1, 40, True),
+    (4, 90, 10, 2, 8, False), (5, 1000, 7, 1, 64, True)])
+def test_decode_attention_matches_sdpa_over_gathered_keys(lib, rows, width, heads, kv_heads, hd, window):
     import torch.nn.functional as F
 
-    g = torch.Generator().manual_seed(rows * width)
+    g = torch.Generator().manual_seed(rows * width + hd)
     k_pool = torch.randn(64, 16, kv_heads, hd, generator=g)  # [blocks, block size, KV, hd], as KVPool
     v_pool = torch.randn(64, 16, kv_heads, hd, generator=g)
     q = torch.randn(rows, heads, hd, generator=g) * 2
     idx = torch.randint(0, 64 * 16, (rows * width,), generator=g)
-    keep = torch.rand(rows, width, generator=g) < 0.7
-    keep[:, 0] = True
+    if window:  # a sliding window's start past the first chunks, and an end before the last keys
+        lo = torch.randint(width // 3, width // 2, (rows,), generator=g)
+        hi = torch.randint(width // 2 + 1, width + 1, (rows,), generator=g)
+        keep = (torch.arange(width)[None] >= lo[:, None]) & (torch.arange(width)[None] < hi[:, None])
+    else:
+        keep = torch.rand(rows, width, generator=g) < 0.7
+        keep[:, 0] = True
     out = cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx, keep)
     k = k_pool.view(-1, kv_heads, hd)[idx].view(rows, width, kv_heads, hd).transpose(1, 2)
     v = v_pool.view(-1, kv_heads, hd)[idx].view(rows, width, kv_heads, hd).transpose(1, 2)
     ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep[:, None, None, :], enable_gqa=True)[:, :, 0]
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+    if rows > 1:  # a row that sees no key: zeros, the other rows unchanged
+        keep[1] = False
+        again = cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx, keep)
+        assert not again[1].any() and torch.equal(again[0], out[0])
     with pytest.raises(ValueError, match="slots"):
         cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx[:-1], keep)
 

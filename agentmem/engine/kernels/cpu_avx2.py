@@ -217,92 +217,193 @@ static inline __m256 hsum8x8(const __m256 *a) {
 }
 
 /* One fp32 decode query per row over its keys read from the paged pool: q [B, H, hd], pools
-   [slots, KV, hd], idx [B, W] flat slots, keep [B, W] which of them row b sees; out [B, H, hd].
-   A task is one (row, KV head) and its G = H / KV query heads: scores 8 keys at a time (one
-   transposed sum), the softmax in place, then the weighted sum of V 64 dims at a time in
-   registers. hd a multiple of 8, up to 256. */
+   [slots, KV, hd], idx [B, W] flat slots, keep [B, W] which of them row b sees; out [B, H, hd]
+   (zeros for a row that keeps no key). hd a multiple of 8, up to 256; any number of query
+   heads per KV head. The design of `cpu_gemv`'s `agentmem_decode_attn_bf16` in AVX2: a row's
+   keys are cut into chunks of `ch` (`da_chunk`: about four chunks a thread over all the rows,
+   32 to DA_MAX keys), and each (row, chunk) item computes, for every head, the chunk's score
+   maximum, its sum of exp(score - max) and the unnormalised sum of V (`da_item`); a merge
+   rescales the chunks to the row's maximum (`da_merge`). Items are shared out as they come
+   (dynamic, 1), the merge statically. So one row's long history is shared by all the threads
+   (it used to be one task per (row, KV head): SmolLM2's 3 KV heads at one stream are 3 tasks
+   for 2 threads), each item reads whole pool rows (all KV heads of a key) while they are in
+   cache, the next 8 keys' K and V lines are prefetched while the scores of these are summed, the
+   scores' maximum is taken 8 at a time (it was a scalar loop; a kept-key count not a multiple of
+   8 is padded with the last key, scored -inf), and the weighted sum of V reads each key's V once
+   for up to 4 heads, its accumulators in registers (`pv_heads`, unrolled per head count and
+   width; at most 10 accumulators, as 3 heads x 24 dims: 3 x 32 spilled some of AVX2's 16
+   registers and was 5-10% slower). With one chunk the result is that of a single softmax pass.
+   Measured here on the AVX2 code path of the 2-core AMX Xeon VM (2 threads, SmolLM2's 9 heads
+   of 64 over 3 KV, pools of 16,384 slots (12 MB each, in L3), rows of whole 16-slot blocks;
+   us a call from Python with ctypes (~1 us of it), best of 5 x 200, two alternated runs):
+   B=1 W=300 15-16 -> 11; B=1 W=2000 157-171 -> 52-71; B=8 W=100 27-28 -> 22; B=8 W=1000
+   420-458 -> 289-319 (pools of 256 slots, in L2: 216 -> 166). Prefetching every other line
+   (B=8 W=1000 ~10% slower), 16 keys ahead, whole pool rows at the first KV head, or chunks of at
+   most 128 keys gained nothing. */
+@DA_CHUNK@
+#define DA_HB 16    /* query heads of a KV head scored together (the score buffer on the stack) */
+
+/* acc[g][d] += s[g][t] * v_t over the n keys, for GN heads (score rows ls apart) and ND x 8
+   dims of V from `off` in each pool row (ldv elements); the sums go to o (heads ldo apart).
+   Inlined with constant GN, ND: the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv_heads(const float *vp, const int64_t *slot, int64_t n,
+                                                           int64_t ldv, int64_t off, const float *s, int64_t ls,
+                                                           const int GN, const int ND, float *o, int64_t ldo) {
+    __m256 acc[10];
+    for (int i = 0; i < GN * ND; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const float *v = vp + slot[t] * ldv + off;
+        __m256 p[4];
+        for (int g = 0; g < GN; g++) p[g] = _mm256_broadcast_ss(s + g * ls + t);
+        for (int d = 0; d < ND; d++) {
+            const __m256 vv = _mm256_loadu_ps(v + 8 * d);
+            for (int g = 0; g < GN; g++) acc[g * ND + d] = _mm256_fmadd_ps(p[g], vv, acc[g * ND + d]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int d = 0; d < ND; d++) _mm256_storeu_ps(o + g * ldo + 8 * d, acc[g * ND + d]);
+}
+
+/* The widest pass of V (in 8-dim vectors) for gn heads: GN * ND <= 10 accumulators, the broadcast
+   scores and one V vector in AVX2's 16 registers. */
+static inline int pv_width(int gn) { return gn == 1 ? 8 : gn == 2 ? 5 : gn == 3 ? 3 : 2; }
+
+static void pv_any(const float *vp, const int64_t *slot, int64_t n, int64_t ldv, int64_t off, const float *s,
+                   int64_t ls, int gn, int nd, float *o, int64_t ldo) {
+    #define PV(GN, ND) case GN * 16 + ND: pv_heads(vp, slot, n, ldv, off, s, ls, GN, ND, o, ldo); break;
+    switch (gn * 16 + nd) {
+        PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(1, 5) PV(1, 6) PV(1, 7) PV(1, 8)
+        PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4) PV(2, 5) PV(3, 1) PV(3, 2) PV(3, 3) PV(4, 1) PV(4, 2)
+    }
+    #undef PV
+}
+
+/* The scores of 8 keys (pool rows ldv elements apart, from `off`) against one query head qg of
+   ND x 8 dims, times sc, into s[0..7]: one transposed sum of 8 dot products. */
+static inline __attribute__((always_inline)) void scores8(const float *kp, const int64_t *slot, int64_t ldv,
+                                                          int64_t off, const float *qg, const int64_t ND,
+                                                          __m256 sc, float *s) {
+    const float *k[8];
+    for (int j = 0; j < 8; j++) k[j] = kp + slot[j] * ldv + off;
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < ND; d++) {
+        const __m256 qv = _mm256_loadu_ps(qg + 8 * d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k[j] + 8 * d), qv, a[j]);
+    }
+    _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(a), sc));
+}
+
+static void scores_any(const float *kp, const int64_t *slot, int64_t ldv, int64_t off, const float *qg,
+                       int64_t nd, __m256 sc, float *s) {
+    switch (nd) {  /* SmolLM2's 64 dims and 128 unrolled; others by a loop */
+        case 8: scores8(kp, slot, ldv, off, qg, 8, sc, s); break;
+        case 16: scores8(kp, slot, ldv, off, qg, 16, sc, s); break;
+        default: scores8(kp, slot, ldv, off, qg, nd, sc, s); break;
+    }
+}
+
+/* Item (b, c): row b's keys [c * ch, (c + 1) * ch) of W; per head h, part[h * (hd + 2)] holds the
+   chunk's score maximum, its exp sum and its unnormalised V sum [hd] (sum 0: no key kept). The
+   kept keys' slots are padded to a multiple of 8 with the last one, so every 8 keys are scored
+   together; the padding's scores are set to -inf (exp 0) and the V sums stop at n. */
+static void da_item(const float *q, const float *kp, const float *vp, const int64_t *idx, const uint8_t *keep,
+                    int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd, int64_t W, float scale,
+                    float *part) {
+    const int64_t G = H / KV, lo = c * ch, hi = lo + ch < W ? lo + ch : W, ldv = KV * hd, ldp = hd + 2;
+    const int64_t nd = hd / 8, lines = hd * 4 / 64 > 0 ? hd * 4 / 64 : 1;
+    int64_t slot[DA_MAX + 8], n = 0;
+    for (int64_t j = lo; j < hi; j++)
+        if (keep[b * W + j]) slot[n++] = idx[b * W + j];
+    if (n == 0) {
+        for (int64_t h = 0; h < H; h++) part[h * ldp] = -INFINITY, part[h * ldp + 1] = 0.0f;
+        return;
+    }
+    const int64_t n8 = (n + 7) / 8 * 8;  /* <= ch: ch is a multiple of 16 */
+    for (int64_t j = n; j < n8; j++) slot[j] = slot[n - 1];
+    const int64_t hb = G < DA_HB ? G : DA_HB;
+    float s[hb * ch + 8];
+    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t kvh = 0; kvh < KV; kvh++)
+        for (int64_t g0 = 0; g0 < G; g0 += hb) {
+            const int64_t gb = G - g0 < hb ? G - g0 : hb, h0 = kvh * G + g0;
+            const float *qg = q + (b * H + h0) * hd;
+            for (int64_t t0 = 0; t0 < n8; t0 += 8) {
+                if (g0 == 0)
+                    for (int64_t j = t0 + 8; j < t0 + 16 && j < n; j++)  /* the next keys, while these are summed */
+                        for (int64_t l = 0; l < lines; l++) {
+                            _mm_prefetch((const char *)(kp + slot[j] * ldv + kvh * hd) + 64 * l, _MM_HINT_T0);
+                            _mm_prefetch((const char *)(vp + slot[j] * ldv + kvh * hd) + 64 * l, _MM_HINT_T0);
+                        }
+                for (int64_t g = 0; g < gb; g++) scores_any(kp, slot + t0, ldv, kvh * hd, qg + g * hd, nd, sc, s + g * ch + t0);
+            }
+            for (int64_t g = 0; g < gb; g++) {  /* softmax numerators in place, their maximum and sum */
+                float *sg = s + g * ch, *p = part + (h0 + g) * ldp;
+                for (int64_t t = n; t < n8; t++) sg[t] = -INFINITY;
+                __m256 mx = ninf;
+                for (int64_t t = 0; t < n8; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+                const float m = hmax8(mx);
+                const __m256 mv = _mm256_set1_ps(m);
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t t = 0; t < n8; t += 8) {
+                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+                    _mm256_storeu_ps(sg + t, e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                p[0] = m;
+                p[1] = hsum8(acc);
+            }
+            for (int64_t i = 0; i < gb;) {  /* the weighted sum of V: up to 4 heads a pass over the keys */
+                const int64_t left = gb - i, gn = left <= 4 ? left : left == 5 || left == 6 ? 3 : 4;
+                const int64_t w = pv_width((int)gn);
+                for (int64_t d0 = 0; d0 < nd; d0 += w)
+                    pv_any(vp, slot, n, ldv, kvh * hd + 8 * d0, s + i * ch, ch, (int)gn,
+                           (int)(nd - d0 < w ? nd - d0 : w), part + (h0 + i) * ldp + 2 + 8 * d0, ldp);
+                i += gn;
+            }
+        }
+}
+
+/* out[b, h] from row b's nc chunk items: each chunk's sums rescaled to the row's maximum. */
+static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64_t b, int64_t h, float *out) {
+    const int64_t ldp = hd + 2, nd = hd / 8;
+    float mx = -INFINITY, L = 0.0f;
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + ((b * nc + c) * H + h) * ldp;
+        if (p[1] > 0.0f && p[0] > mx) mx = p[0];
+    }
+    __m256 o[32];
+    for (int64_t d = 0; d < nd; d++) o[d] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + ((b * nc + c) * H + h) * ldp;
+        if (!(p[1] > 0.0f)) continue;
+        const float w = expf(p[0] - mx);
+        L += w * p[1];
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int64_t d = 0; d < nd; d++) o[d] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p + 2 + 8 * d), o[d]);
+    }
+    const __m256 inv = _mm256_set1_ps(L > 0.0f ? 1.0f / L : 0.0f);
+    float *oh = out + (b * H + h) * hd;
+    for (int64_t d = 0; d < nd; d++) _mm256_storeu_ps(oh + 8 * d, _mm256_mul_ps(o[d], inv));
+}
+
 void agentmem_avx2_decode_attn_f32(const float *q, const float *kp, const float *vp, const int64_t *idx,
                                    const uint8_t *keep, float *out, int64_t B, int64_t H, int64_t KV, int64_t hd,
                                    int64_t W, float scale, int threads) {
-    const int64_t G = H / KV, nd = hd / 8;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < B * KV; task++) {
-        const int64_t b = task / KV, kvh = task % KV;
-        int64_t *slot = (int64_t *)malloc((W + 8) * sizeof(int64_t));
-        float *s = (float *)malloc((G * W + 8) * sizeof(float));
-        int64_t nv = 0;
-        for (int64_t j = 0; j < W; j++)
-            if (keep[b * W + j]) slot[nv++] = idx[b * W + j];
-        const float *qg = q + (b * H + kvh * G) * hd;
-        int64_t t0 = 0;
-        for (; t0 + 8 <= nv; t0 += 8) {
-            const float *k[8];
-            for (int j = 0; j < 8; j++) k[j] = kp + (slot[t0 + j] * KV + kvh) * hd;
-            for (int64_t g = 0; g < G; g++) {
-                __m256 a[8];
-                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < hd; d += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + g * hd + d);
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k[j] + d), qv, a[j]);
-                }
-                _mm256_storeu_ps(s + g * W + t0, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
-            }
-        }
-        for (int64_t t = t0; t < nv; t++) {  /* the last keys one at a time */
-            const float *k = kp + (slot[t] * KV + kvh) * hd;
-            for (int64_t g = 0; g < G; g++) {
-                __m256 a = _mm256_setzero_ps();
-                for (int64_t d = 0; d < hd; d += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(k + d), _mm256_loadu_ps(qg + g * hd + d), a);
-                s[g * W + t] = hsum8(a) * scale;
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {  /* softmax in place */
-            float *sg = s + g * W;
-            float m = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < nv; t++) m = sg[t] > m ? sg[t] : m;
-            const __m256 mv = _mm256_set1_ps(m);
-            __m256 acc = _mm256_setzero_ps();
-            int64_t t = 0;
-            for (; t + 8 <= nv; t += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-                _mm256_storeu_ps(sg + t, e);
-                acc = _mm256_add_ps(acc, e);
-            }
-            sum = hsum8(acc);
-            for (; t < nv; t++) {
-                sg[t] = expf(sg[t] - m);
-                sum += sg[t];
-            }
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            const __m256 iv = _mm256_set1_ps(inv);
-            for (t = 0; t + 8 <= nv; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), iv));
-            for (; t < nv; t++) sg[t] *= inv;
-        }
-        for (int64_t g = 0; g < G; g++) {  /* the weighted sum of V, 8 vectors of dims at a time */
-            float *og = out + (b * H + kvh * G + g) * hd;
-            const float *sg = s + g * W;
-            for (int64_t d0 = 0; d0 < nd; d0 += 8) {
-                const int64_t n8 = nd - d0 < 8 ? nd - d0 : 8;
-                __m256 o[8];
-                for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
-                for (int64_t t = 0; t < nv; t++) {
-                    const float *v = vp + (slot[t] * KV + kvh) * hd + 8 * d0;
-                    const __m256 p = _mm256_set1_ps(sg[t]);
-                    if (n8 == 8) {
-                        for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
-                    } else {
-                        for (int j = 0; j < n8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
-                    }
-                }
-                for (int j = 0; j < n8; j++) _mm256_storeu_ps(og + 8 * (d0 + j), o[j]);
-            }
-        }
-        free(slot);
-        free(s);
+    if (B <= 0) return;
+    const int64_t ch = da_chunk(B, W, threads), nc = (W + ch - 1) / ch;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(B * nc * H * (hd + 2) + 1));
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < B * nc; it++)
+            da_item(q, kp, vp, idx, keep, it / nc, it % nc, ch, H, KV, hd, W, scale, part + it * H * (hd + 2));
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) da_merge(part, nc, H, hd, bh / H, bh % H, out);
     }
+    free(part);
 }
-"""
+""".replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C)
 
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -55,6 +55,17 @@ log = logging.getLogger("agentmem.engine")
 MAX_ROWS = 16  # input rows up to which Proj uses the kernel (the largest decode bucket)
 BLOCK = 32  # outputs per block: a weight's out_features must be a multiple
 
+
+# Shared by both libraries' decode attention (this one's bf16, cpu_avx2's fp32): the keys of a
+# (row, chunk) item, about four chunks a thread over all the rows, 32 to DA_MAX keys.
+DECODE_CHUNK_C = r"""#define DA_MAX 256  /* keys of a chunk at most */
+static int64_t da_chunk(int64_t B, int64_t W, int threads) {
+    int64_t ch = (W * B + 4 * (int64_t)threads - 1) / (4 * (int64_t)(threads > 0 ? threads : 1));
+    ch = (ch + 15) / 16 * 16;
+    return ch < 32 ? 32 : ch > DA_MAX ? DA_MAX : ch;
+}
+"""
+
 _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
@@ -578,14 +589,7 @@ static inline __m512 hsum16(const __m512 v[16]) {
    its accumulators in registers (`pv_heads`, unrolled per head count and width). With one chunk
    the result is that of a single softmax pass. Session 32, 2-core AMX Xeon VM, SmolLM2-135M's
    heads (9 of 64, 3 KV), the layer's pool cold: see docs/engine.md. */
-#define DA_MAX 256
-
-static int64_t da_chunk(int64_t B, int64_t W, int threads) {
-    int64_t ch = (W * B + 4 * (int64_t)threads - 1) / (4 * (int64_t)(threads > 0 ? threads : 1));
-    ch = (ch + 15) / 16 * 16;
-    return ch < 32 ? 32 : ch > DA_MAX ? DA_MAX : ch;
-}
-
+@DA_CHUNK@
 /* acc[g][d] += s[g][t] * v_t over the n keys, for GN heads (score rows ls apart) and ND x 16
    dims of V from `off` in each pool row (ldv elements); the sums go to o (heads ldo apart).
    Inlined with constant GN, ND: the accumulators stay in registers. */
@@ -1087,7 +1091,7 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
     free(part);
     scratch_free(&t);
 }
-"""
+""".replace("@DA_CHUNK@", DECODE_CHUNK_C)
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
