@@ -1091,6 +1091,279 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
     free(part);
     scratch_free(&t);
 }
+
+/* ---- Causal attention of query rows on AMX tiles (`rows_attention_amx`) ----
+   What `agentmem_rows_attn_bf16` computes (without `share`), flash-attention style on the tile
+   unit. A task is one query head and 16 query rows (rows past Nq repeat the last one); it runs
+   over key blocks of AMX_KB keys up to its last row's position, all in the transposed
+   orientation, so that a row's softmax is one lane of a zmm and no horizontal sums are needed:
+     S^T [keys x 16 rows] = K [keys x hd] . Q^T: K's rows straight from k (A tiles, 16 keys x 32
+       dims, KV*hd apart; the partial last block from a zero-padded copy), Q^T packed per task
+       as [hd/2, 16 rows, 2] (the B-tile layout);
+     online softmax on the fp32 S^T tiles in AVX-512 (2^x of the scores times scale*log2 e, the
+       running max per row lane, raised only when a block's max passes it by more than 2^8:
+       otherwise the weights stay below 256 and no rescale runs); keys past a row's position
+       are masked in the blocks that reach past the first row's position;
+     P^T as bf16 key pairs [KB/2, 16 rows, 2] (a B tile per 32 keys) and, with AMX_PLO, the
+       remainder of each weight as a second bf16 (P V then keeps ~16 bits of each weight, as
+       the vdpbf16ps kernel does);
+     O^T [hd x 16 rows] += V^T . P^T: V^T packed per call as [KV, TP/32, hd, 32] (A tiles of 16
+       dims x 32 keys, 1 KB contiguous); O^T lives in an fp32 buffer, loaded into 4 tiles (64
+       dims) per block and stored back.
+   Tile config (all 8 tiles 16 rows x 64 bytes) is loaded by each thread of the team, released
+   at its end. AMX needs the process's permission first: `agentmem_amx_ok`. */
+#include <unistd.h>
+#include <sys/syscall.h>
+
+int agentmem_amx_ok(void) {  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: 1 if granted */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+#ifndef AMX_KB
+#define AMX_KB 64  /* keys a block: 4 S tiles */
+#endif
+#ifndef AMX_PLO
+#define AMX_PLO 1  /* the weights as hi + lo bf16 in P V */
+#endif
+#define AMX_TGT __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+typedef struct {
+    uint8_t palette, start_row, rsv[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+/* 2^x for 16 floats: 2^n * p(r), r = x - n in [-1/2, 1/2], p the degree-6 Taylor series of
+   2^r (relative error ~1.2e-7); x = -inf gives NaN (callers mask those lanes after) */
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+typedef struct {
+    const uint16_t *q, *k, *kt, *vt;
+    const int64_t *qpos;
+    uint16_t *out;
+    int64_t Nq, H, KV, hd, T, TP;
+    float c;  /* scale * log2 e */
+} amx_args;
+
+/* tile t of O^T (16 dims) += V^T tile . P^T tile(s) */
+#if AMX_PLO
+#define AMX_PV(t, a) do { _tile_loadd(a, vb + (t) * 16 * 32, 64); _tile_dpbf16ps(t, a, 4); _tile_dpbf16ps(t, a, 5); } while (0)
+#else
+#define AMX_PV(t, a) do { _tile_loadd(a, vb + (t) * 16 * 32, 64); _tile_dpbf16ps(t, a, 4); } while (0)
+#endif
+
+AMX_TGT static void amx_attn_team(const amx_args *a) {
+    const int64_t H = a->H, KV = a->KV, hd = a->hd, T = a->T, G = H / KV, np = hd / 2;
+    const int64_t nb = (a->Nq + 15) / 16;
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    float *sbuf = (float *)aligned_alloc(64, AMX_KB * 16 * 4);      /* S^T [KB keys][16 rows] */
+    uint32_t *pt = (uint32_t *)aligned_alloc(64, AMX_KB / 2 * 16 * 4 * 2);  /* P^T hi, then lo */
+    uint32_t *qt = (uint32_t *)aligned_alloc(64, (size_t)np * 16 * 4);  /* Q^T [hd/2][16 rows] */
+    float *ob = (float *)aligned_alloc(64, (size_t)hd * 16 * 4);      /* O^T [hd][16 rows] */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* bf16 words of cvtne2ps_pbh(p1, p0) (p0 in 0-15, p1 in 16-31) -> key pairs (p0[r], p1[r]) */
+    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 c = _mm512_set1_ps(a->c);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * nb; task++) {
+        const int64_t rb = nb - 1 - task / H, h = task % H, kvh = h / G;
+        const int64_t r0 = rb * 16, nr = a->Nq - r0 < 16 ? a->Nq - r0 : 16;
+        int32_t lim[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t p = a->qpos[r0 + (r < nr ? r : nr - 1)] + 1;
+            lim[r] = (int32_t)(p < T ? p : T);
+        }
+        const __m512i limv = _mm512_loadu_si512(lim);
+        const int64_t lmin = lim[0], lmax = lim[15];  /* rows ascend */
+        {   /* Q^T: dims (2p, 2p+1) of the 16 rows */
+            const uint32_t *qb = (const uint32_t *)(a->q + (r0 * H + h) * hd);
+            const __m512i rows = _mm512_min_epi32(lane, _mm512_set1_epi32((int)nr - 1));
+            const __m512i idx = _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)(H * np)));
+            for (int64_t p = 0; p < np; p++)
+                _mm512_store_si512(qt + p * 16, _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32((int)p)), qb, 4));
+        }
+        for (int64_t d = 0; d < hd; d++) _mm512_store_ps(ob + d * 16, _mm512_setzero_ps());
+        __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+        const int64_t nkb = (lmax + AMX_KB - 1) / AMX_KB;
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            const int64_t k0 = kb * AMX_KB;
+            const uint16_t *kbase;
+            int64_t ks;  /* bytes between keys */
+            if (k0 + AMX_KB <= T) {
+                kbase = a->k + (k0 * KV + kvh) * hd;
+                ks = KV * hd * 2;
+            } else {
+                kbase = a->kt + kvh * AMX_KB * hd;
+                ks = hd * 2;
+            }
+            for (int j = 0; j < AMX_KB; j += 64) {  /* S^T, 64 keys (4 tiles) at a time */
+                const uint8_t *kj = (const uint8_t *)kbase + j * ks;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t cc = 0; cc < hd; cc += 32) {
+                    _tile_loadd(4, qt + cc / 2 * 16, 64);
+                    _tile_loadd(6, kj + cc * 2, ks);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_loadd(7, kj + 16 * ks + cc * 2, ks);
+                    _tile_dpbf16ps(1, 7, 4);
+                    _tile_loadd(6, kj + 32 * ks + cc * 2, ks);
+                    _tile_dpbf16ps(2, 6, 4);
+                    _tile_loadd(7, kj + 48 * ks + cc * 2, ks);
+                    _tile_dpbf16ps(3, 7, 4);
+                }
+                _tile_stored(0, sbuf + (j + 0) * 16, 64);
+                _tile_stored(1, sbuf + (j + 16) * 16, 64);
+                _tile_stored(2, sbuf + (j + 32) * 16, 64);
+                _tile_stored(3, sbuf + (j + 48) * 16, 64);
+            }
+            const int diag = k0 + AMX_KB > lmin;  /* some row does not see the whole block */
+            __m512 bm = _mm512_set1_ps(-INFINITY);
+            if (!diag) {
+                for (int j = 0; j < AMX_KB; j++) bm = _mm512_max_ps(bm, _mm512_load_ps(sbuf + j * 16));
+            } else {
+                for (int j = 0; j < AMX_KB; j++) {
+                    const __mmask16 vis = _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j)));
+                    bm = _mm512_mask_max_ps(bm, vis, bm, _mm512_load_ps(sbuf + j * 16));
+                }
+            }
+            if (kb == 0) {
+                m = bm;  /* every row sees key 0 */
+            } else {  /* raise a row's max only past 2^8 of growth (rows that see none of the block: -inf) */
+                const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(bm, m), c), _mm512_set1_ps(8.0f), _CMP_GT_OQ);
+                if (up) {
+                    const __m512 mn = _mm512_mask_mov_ps(m, up, bm);
+                    const __m512 al = exp2_16(_mm512_mul_ps(_mm512_sub_ps(m, mn), c));
+                    l = _mm512_mul_ps(l, al);
+                    for (int64_t d = 0; d < hd; d++) _mm512_store_ps(ob + d * 16, _mm512_mul_ps(_mm512_load_ps(ob + d * 16), al));
+                    m = mn;
+                }
+            }
+            const __m512 mc = _mm512_mul_ps(m, c);
+            for (int j = 0; j < AMX_KB; j += 2) {  /* weights, as bf16 key pairs */
+                __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + j * 16), c, mc));
+                __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + (j + 1) * 16), c, mc));
+                if (diag) {
+                    p0 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j))), p0);
+                    p1 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j + 1))), p1);
+                }
+                l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+                const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+                _mm512_store_si512(pt + j / 2 * 16, _mm512_permutexvar_epi16(pair, hi));
+#if AMX_PLO
+                const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+                const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+                const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0));
+                _mm512_store_si512(pt + AMX_KB / 2 * 16 + j / 2 * 16, _mm512_permutexvar_epi16(pair, lo));
+#endif
+            }
+            for (int64_t dg = 0; dg < hd; dg += 64) {  /* O^T += V^T P^T, 64 dims (4 tiles) at a time */
+                const int nt = hd - dg < 64 ? (int)(hd - dg) / 16 : 4;
+                float *o = ob + dg * 16;
+                _tile_loadd(0, o, 64);
+                if (nt > 1) _tile_loadd(1, o + 256, 64);
+                if (nt > 2) _tile_loadd(2, o + 512, 64);
+                if (nt > 3) _tile_loadd(3, o + 768, 64);
+                for (int j = 0; j < AMX_KB; j += 32) {
+                    const uint16_t *vb = a->vt + ((kvh * (a->TP / 32) + (k0 + j) / 32) * hd + dg) * 32;
+                    _tile_loadd(4, pt + j / 2 * 16, 64);
+#if AMX_PLO
+                    _tile_loadd(5, pt + AMX_KB / 2 * 16 + j / 2 * 16, 64);
+#endif
+                    AMX_PV(0, 6);
+                    if (nt > 1) AMX_PV(1, 7);
+                    if (nt > 2) AMX_PV(2, 6);
+                    if (nt > 3) AMX_PV(3, 7);
+                }
+                _tile_stored(0, o, 64);
+                if (nt > 1) _tile_stored(1, o + 256, 64);
+                if (nt > 2) _tile_stored(2, o + 512, 64);
+                if (nt > 3) _tile_stored(3, o + 768, 64);
+            }
+        }
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+        for (int64_t d = 0; d < hd; d++) _mm512_store_ps(ob + d * 16, _mm512_mul_ps(_mm512_load_ps(ob + d * 16), inv));
+        const __m512i didx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
+        for (int64_t r = 0; r < nr; r++) {  /* O^T -> the rows of out */
+            uint16_t *orow = a->out + ((r0 + r) * H + h) * hd;
+            for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+                const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(didx, _mm512_set1_epi32((int)r)), ob + d0 * 16, 4);
+                _mm256_storeu_si256((__m256i *)(orow + d0), (__m256i)_mm512_cvtneps_pbh(x));
+            }
+        }
+    }
+    _tile_release();
+    free(sbuf);
+    free(pt);
+    free(qt);
+    free(ob);
+}
+#undef AMX_PV
+
+/* q/out bf16 [Nq, H, hd], qpos [Nq] ascending, k/v bf16 [T, KV, hd]; hd a multiple of 32 up to
+   256, H a multiple of KV, scale > 0. Only where `agentmem_amx_ok` returned 1. */
+void agentmem_rows_attn_amx(const uint16_t *q, const int64_t *qpos, const uint16_t *k, const uint16_t *v,
+                            uint16_t *out, int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale,
+                            int threads) {
+    if (Nq <= 0 || T <= 0) return;
+    const int64_t TP = (T + AMX_KB - 1) / AMX_KB * AMX_KB, np = hd / 2, nc = TP / 32;
+    uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)KV * TP * hd * 2);
+    uint16_t *kt = (uint16_t *)aligned_alloc(64, (size_t)KV * AMX_KB * hd * 2);
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < KV * nc; blk++) {  /* V^T in 32-key chunks: [KV][TP/32][hd][32] */
+        const int64_t kvh = blk / nc, t0 = (blk % nc) * 32;
+        uint16_t *dst = vt + blk * hd * 32;
+        const int64_t n = T - t0;  /* keys of the chunk that exist */
+        const __mmask16 m0 = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+        const __mmask16 m1 = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)(KV * np)));
+        const uint32_t *b0 = (const uint32_t *)(v + (t0 * KV + kvh) * hd);
+        const uint32_t *b1 = (const uint32_t *)(v + ((t0 + 16) * KV + kvh) * hd);
+        for (int64_t p = 0; p < np; p++) {
+            const __m512i ip = _mm512_add_epi32(idx, _mm512_set1_epi32((int)p));
+            const __m512i g0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m0, ip, b0, 4);
+            const __m512i g1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m1, ip, b1, 4);
+            _mm512_store_si512(dst + 2 * p * 32, _mm512_permutex2var_epi16(g0, even, g1));
+            _mm512_store_si512(dst + (2 * p + 1) * 32, _mm512_permutex2var_epi16(g0, odd, g1));
+        }
+    }
+    const int64_t tail0 = T / AMX_KB * AMX_KB;  /* the partial block's keys, zero padded: [KV][KB][hd] */
+    for (int64_t kvh = 0; kvh < KV; kvh++)
+        for (int64_t j = 0; j < AMX_KB; j++) {
+            uint16_t *dst = kt + (kvh * AMX_KB + j) * hd;
+            if (tail0 + j < T) memcpy(dst, k + ((tail0 + j) * KV + kvh) * hd, (size_t)hd * 2);
+            else memset(dst, 0, (size_t)hd * 2);
+        }
+    amx_args a = {q, k, kt, vt, qpos, out, Nq, H, KV, hd, T, TP, scale * 1.4426950408889634f};
+    #pragma omp parallel num_threads(threads)
+    amx_attn_team(&a);
+    free(vt);
+    free(kt);
+}
 """.replace("@DA_CHUNK@", DECODE_CHUNK_C)
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
@@ -1103,6 +1376,8 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
+    "agentmem_rows_attn_amx": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32],
+    "agentmem_amx_ok": [],  # returns int: typed by `amx_usable`
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
     "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "agentmem_qkv_q8u8": [_P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I32],
@@ -1668,6 +1943,56 @@ def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.
     lib.agentmem_rows_attn_bf16(q.data_ptr(), q_pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                 nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale, torch.get_num_threads(),
                                 None if share is None else share.data_ptr())
+    return out
+
+
+_amx: bool | None = None  # `amx_usable`, once asked of a loaded library
+
+
+def amx_usable(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `rows_attention_amx` runs here: the CPU has AMX (amx_bf16 and amx_tile) and the
+    kernel's library (`lib`, else the loaded one) got the process's permission to use the tiles
+    (`agentmem_amx_ok`: Linux asks each process to request it). Asked once a process; False,
+    not remembered, while no library is loaded."""
+    global _amx
+    if _amx is None:
+        lib = lib if lib is not None else _lib
+        if lib is None:
+            return False
+        flags = cpu_flags()
+        ok = False
+        if "amx_bf16" in flags and "amx_tile" in flags:
+            fn = lib.agentmem_amx_ok
+            fn.argtypes, fn.restype = [], ctypes.c_int
+            ok = fn() == 1
+        _amx = ok
+    return _amx
+
+
+def rows_attention_amx(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                       scale: float | None = None) -> torch.Tensor:
+    """`rows_attention` (without `share`) on AMX tiles: causal attention of bf16 query rows q
+    [Nq, H, hd] at ascending positions `q_pos` [Nq] over keys k/v [T, KV, hd] at 0..T-1, fp32
+    scores and softmax, bf16 out; flash-attention style (QK^T and PV on TDPBF16PS, the online
+    softmax in AVX-512; see the C source). head_dim a multiple of 32 up to 256, H a multiple of
+    KV, scale > 0; only where `amx_usable()` holds."""
+    nq, h, hd = q.shape
+    t, kv = k.shape[0], k.shape[1]
+    if v.shape != k.shape or k.shape[-1] != hd or q_pos.shape != (nq,):
+        raise ValueError(f"rows_attention_amx: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"q_pos {tuple(q_pos.shape)}")
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or q.device.type != "cpu":
+        raise ValueError(f"rows_attention_amx: bf16 CPU tensors only, got {q.dtype}, {k.dtype}, {v.dtype} on {q.device}")
+    if hd % 32 or not 0 < hd <= 256 or kv == 0 or h % kv:
+        raise ValueError(f"rows_attention_amx: head_dim {hd} (a multiple of 32 up to 256), heads {h}, kv_heads {kv}")
+    scale = hd ** -0.5 if scale is None else scale
+    if not scale > 0:
+        raise ValueError(f"rows_attention_amx: scale must be > 0, got {scale}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_pos = q_pos.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    lib.agentmem_rows_attn_amx(q.data_ptr(), q_pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                               nq, h, kv, hd, t, scale, torch.get_num_threads())
     return out
 
 
