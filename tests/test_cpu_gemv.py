@@ -333,19 +333,34 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     assert (blend.float() - blend_wide.float()).abs().max() < 3e-2
     with pytest.raises(ValueError, match="rows_attention"):
         real(lib, q, k, v[:100], torch.arange(48))
+    if not cpu_gemv.amx_usable(lib):
+        return
+    # the route amx: prefill and the blend's rows on AMX tiles, the probe (share) not
+    amx_calls = []
+    real_amx = cpu_gemv.rows_attention_amx
+    monkeypatch.setattr(cpu_gemv, "rows_attention_amx", lambda *a, **kw: amx_calls.append(1) or real_amx(*a, **kw))
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "amx")
+    tiles = attend_chunk(q, k[:200], v[:200], 152)
+    blend_tiles = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    assert amx_calls == [1, 1] and calls == [1, 1]
+    assert cpu_gemv.rows_attend(q, k, v, rows, share=torch.zeros(200)) is None and amx_calls == [1, 1]
+    assert (fast.float() - tiles.float()).abs().max() < 3e-2
+    assert (blend.float() - blend_tiles.float()).abs().max() < 3e-2
 
 
 def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
-    """choose_rows_route times the kernel, widened fp32 SDPA and bf16 SDPA, keeps the fastest for those
-    shapes (AGENTMEM_ATTN_KERNEL=auto), and a second call reads the memo instead of timing."""
+    """choose_rows_route times the kernel, widened fp32 SDPA, bf16 SDPA and (where usable) the AMX
+    kernel, keeps the fastest for those shapes (AGENTMEM_ATTN_KERNEL=auto), and a second call reads
+    the memo instead of timing."""
     monkeypatch.setattr(cpu_gemv, "_ROUTES", {})
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "auto")
     assert cpu_gemv.rows_route(4, 2, 32) == "kernel"  # not measured yet: the kernel
     route = cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32)
     saved = json.loads((tmp_path / "attention-choice.json").read_text())
     (entry,) = saved.values()
-    assert route in ("kernel", "fp32", "bf16") and entry["route"] == route
-    assert set(entry["ms"]) == {"kernel", "fp32", "bf16"} and route == min(entry["ms"], key=entry["ms"].get)
+    ways = {"kernel", "fp32", "bf16"} | ({"amx"} if cpu_gemv.amx_usable(lib) else set())
+    assert route in ways and entry["route"] == route
+    assert set(entry["ms"]) == ways and route == min(entry["ms"], key=entry["ms"].get)
     assert cpu_gemv.rows_route(4, 2, 32) == route
     other = "fp32" if route == "kernel" else "kernel"
     entry["route"] = other  # a remembered choice is used as it is
@@ -356,6 +371,8 @@ def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "yes")  # a typo is an error, not the default
     with pytest.raises(ValueError, match="AGENTMEM_ATTN_KERNEL"):
         cpu_gemv.rows_route(4, 2, 32)
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "amx")  # asked for: AMX where usable, else bf16 SDPA
+    assert cpu_gemv.rows_route(4, 2, 32) == ("amx" if cpu_gemv.amx_usable(lib) else "bf16")
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
     assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it
 
@@ -592,3 +609,103 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
     separate = block(h, pos, rotary, attn)
     assert torch.equal(fused, separate) and torch.equal(fused_pool.k, pool.k) and torch.equal(fused_pool.v, pool.v)
     assert not torch.equal(pool.k, k0)  # the rows' keys were written
+
+
+@pytest.fixture(scope="module")
+def amx_lib(lib):
+    if not cpu_gemv.amx_usable(lib):
+        pytest.skip("no AMX here (the CPU lacks amx_bf16/amx_tile, or Linux refused the tile state)")
+    return lib
+
+
+@pytest.mark.parametrize("keys,rows,heads,kv,hd,how", [
+    (300, 300, 9, 3, 64, "prefill"),      # a chunk at 0: rows not a multiple of 16, keys not of 64
+    (37, 37, 9, 3, 64, "prefill"),
+    (300, 100, 9, 3, 64, "chunk"),        # a chunk at 200 over all the keys before it
+    (700, 129, 8, 8, 64, "chunk"),
+    (500, 40, 9, 3, 64, "scattered"),     # the blend's recomputed rows
+    (130, 61, 8, 8, 128, "scattered"),
+    (257, 257, 8, 8, 128, "prefill"),
+    (200, 33, 4, 2, 96, "chunk"),
+    (17, 5, 4, 4, 32, "scattered"),
+    (64, 64, 6, 2, 32, "prefill"),
+    (90, 20, 2, 1, 256, "chunk"),
+    (150, 50, 3, 3, 160, "scattered"),
+    (1, 1, 2, 1, 64, "prefill"),
+    (515, 256, 6, 2, 64, "scattered")])
+def test_rows_attention_amx_matches_causal_softmax(amx_lib, keys, rows, heads, kv, hd, how):
+    """The AMX kernel: what `rows_attention` computes, for prefill chunks and CacheBlend's rows,
+    any row and key count, GQA or not, head_dim 32 to 128; as close to an fp32 softmax as the
+    vdpbf16ps kernel (the weights as hi + lo bf16) and no worse than torch's bf16 SDPA."""
+    g = torch.Generator().manual_seed(keys * rows + hd + 1)
+    q = torch.randn(rows, heads, hd, generator=g).bfloat16()
+    k = torch.randn(keys, kv, hd, generator=g).bfloat16()
+    v = torch.randn(keys, kv, hd, generator=g).bfloat16()
+    if how == "prefill":
+        pos = torch.arange(rows)
+    elif how == "chunk":
+        pos = torch.arange(keys - rows, keys)
+    else:
+        pos = torch.randperm(keys, generator=g)[:rows].sort().values
+    out = cpu_gemv.rows_attention_amx(amx_lib, q, k, v, pos)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    ref = _causal_reference(q, k, v, pos)
+    assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
+    from agentmem.engine.kernels.reference import sdpa
+    torch_bf16 = sdpa(q, k, v, torch.arange(keys)[None, :] <= pos[:, None]).float()
+    assert (out.float() - ref).abs().mean() <= 1.1 * (torch_bf16 - ref).abs().mean() + 1e-6
+    old = cpu_gemv.rows_attention(amx_lib, q, k, v, pos).float()
+    assert (out.float() - ref).abs().mean() <= 1.1 * (old - ref).abs().mean() + 1e-6
+
+
+def test_rows_attention_amx_keeps_large_and_growing_scores(amx_lib):
+    """Scores that grow along the keys (the running max raised block after block, O rescaled),
+    a large first key (an attention sink) and rows that see one key only; a non-default scale;
+    strided inputs."""
+    g = torch.Generator().manual_seed(11)
+    keys, heads, kv, hd = 400, 6, 3, 64
+    q = (torch.randn(keys, heads, hd, generator=g) * 3).bfloat16()
+    k = torch.randn(keys, kv, hd, generator=g) * torch.linspace(0.2, 4.0, keys)[:, None, None]
+    k[0] *= 6
+    k = k.bfloat16()
+    v = torch.randn(keys, kv, 2 * hd, generator=g).bfloat16()[..., ::2]  # not contiguous
+    pos = torch.arange(keys)
+    for scale in (None, 0.3):
+        out = cpu_gemv.rows_attention_amx(amx_lib, q, k, v, pos, scale)
+        ref = _causal_reference(q, k, v, pos) if scale is None else _scaled_reference(q, k, v, pos, scale)
+        assert torch.isfinite(out.float()).all()
+        assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
+        assert (out.float() - ref).abs().mean() < 2e-3
+    assert torch.equal(out[0].float(), v[0].float().repeat_interleave(heads // kv, 0))  # row 0 sees key 0 only
+
+
+def _scaled_reference(q, k, v, q_pos, scale):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,thd->nht", q.double(), kk) * scale
+    seen = torch.arange(k.shape[0])[None, None, :] <= q_pos[:, None, None]
+    return torch.einsum("nht,thd->nhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), vv).float()
+
+
+def test_rows_attention_amx_rejects_what_it_does_not_take(amx_lib):
+    q = torch.randn(4, 4, 64).bfloat16()
+    k = torch.randn(8, 2, 64).bfloat16()
+    with pytest.raises(ValueError):
+        cpu_gemv.rows_attention_amx(amx_lib, q, k, k[:7], torch.arange(4))
+    with pytest.raises(ValueError):
+        cpu_gemv.rows_attention_amx(amx_lib, q.float(), k.float(), k.float(), torch.arange(4))
+    with pytest.raises(ValueError):
+        cpu_gemv.rows_attention_amx(amx_lib, q[..., :48], k[..., :48], k[..., :48], torch.arange(4))
+    with pytest.raises(ValueError):
+        cpu_gemv.rows_attention_amx(amx_lib, q[:, :3], k, k, torch.arange(4))
+    with pytest.raises(ValueError):
+        cpu_gemv.rows_attention_amx(amx_lib, q, k, k, torch.arange(4), scale=-1.0)
+
+
+def test_amx_usable_needs_the_cpu_flags_and_is_remembered(lib, monkeypatch):
+    """No AMX flags: not usable, without asking the library; the answer is kept."""
+    monkeypatch.setattr(cpu_gemv, "_amx", None)
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_tile"}))
+    assert cpu_gemv.amx_usable(lib) is False
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    assert cpu_gemv.amx_usable(lib) is False  # remembered

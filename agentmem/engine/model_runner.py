@@ -25,8 +25,8 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     """Causal attention of a prompt chunk at positions start.. over keys 0..start+n-1 (only
     the last `window` of them, with a sliding window). q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
     n = q.shape[0]
-    if window is None and (lib := cpu_gemv.rows_kernel(q, k)) is not None:
-        return cpu_gemv.rows_attention(lib, q, k, v, torch.arange(start, start + n))
+    if window is None and (out := cpu_gemv.rows_attend(q, k, v, torch.arange(start, start + n))) is not None:
+        return out
     if cpu_gemv.widen_rows(q, k):  # this machine runs fp32 SDPA faster than its bf16 ways
         return sdpa_chunk(q.float(), k.float(), v.float(), start, window).to(q.dtype)
     return sdpa_chunk(q, k, v, start, window)

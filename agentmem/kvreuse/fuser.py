@@ -196,8 +196,8 @@ class RowAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [Nq,H,hd] at the rows, k/v [n_keys,KV,hd] -> [Nq,H,hd]."""
-        if self.kernel and (lib := cpu_gemv.rows_kernel(q, k)) is not None:
-            return cpu_gemv.rows_attention(lib, q, k, v, self.q_pos)
+        if self.kernel and (out := cpu_gemv.rows_attend(q, k, v, self.q_pos)) is not None:
+            return out
         if self.kernel:  # the kernel does not take these tensors after all: the grouped SDPA path
             self.kernel = False
             self.widen = cpu_gemv.widen_rows(q, k)  # in fp32 where this machine runs that faster

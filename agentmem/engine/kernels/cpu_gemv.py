@@ -1093,23 +1093,39 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
 }
 
 /* ---- Causal attention of query rows on AMX tiles (`rows_attention_amx`) ----
-   What `agentmem_rows_attn_bf16` computes (without `share`), flash-attention style on the tile
-   unit. A task is one query head and 16 query rows (rows past Nq repeat the last one); it runs
-   over key blocks of AMX_KB keys up to its last row's position, all in the transposed
-   orientation, so that a row's softmax is one lane of a zmm and no horizontal sums are needed:
-     S^T [keys x 16 rows] = K [keys x hd] . Q^T: K's rows straight from k (A tiles, 16 keys x 32
-       dims, KV*hd apart; the partial last block from a zero-padded copy), Q^T packed per task
-       as [hd/2, 16 rows, 2] (the B-tile layout);
-     online softmax on the fp32 S^T tiles in AVX-512 (2^x of the scores times scale*log2 e, the
-       running max per row lane, raised only when a block's max passes it by more than 2^8:
-       otherwise the weights stay below 256 and no rescale runs); keys past a row's position
-       are masked in the blocks that reach past the first row's position;
-     P^T as bf16 key pairs [KB/2, 16 rows, 2] (a B tile per 32 keys) and, with AMX_PLO, the
-       remainder of each weight as a second bf16 (P V then keeps ~16 bits of each weight, as
-       the vdpbf16ps kernel does);
-     O^T [hd x 16 rows] += V^T . P^T: V^T packed per call as [KV, TP/32, hd, 32] (A tiles of 16
-       dims x 32 keys, 1 KB contiguous); O^T lives in an fp32 buffer, loaded into 4 tiles (64
-       dims) per block and stored back.
+   What `agentmem_rows_attn_bf16` computes (without `share`), flash-attention style with the
+   products on the tile unit (TDPBF16PS) and the softmax on AVX-512. A task is one query head
+   and 16 query rows (rows past Nq repeat the last one; heaviest row blocks first); it runs over
+   key blocks of AMX_KB = 64 keys up to its last row's position. All in the transposed
+   orientation, so that a row's softmax is one lane of a zmm and needs no horizontal max or sum:
+     S^T [64 keys x 16 rows] = K . Q^T: K's rows straight from k (A tiles, 16 keys x 32 dims,
+       KV*hd apart; the partial last block from a zero-padded copy), Q^T packed per task as
+       [hd/2, 16 rows, 2] (the B-tile layout), stored fp32;
+     online softmax: 2^(s c - M) with c = scale*log2 e, M the running max per row lane (times c),
+       set from block 0 and raised only where a block's scores pass it by more than 8: the
+       weights stay below 2^8 and O is rescaled (and the block's weights redone) only then,
+       rarely after block 0; the check is a max fused into the weights loop. 2^x is a degree-4
+       polynomial (relative error 2.7e-6). Keys past a row's position are masked only in the
+       blocks that reach past the task's first row;
+     P^T as bf16 key pairs [32, 16 rows, 2] (a B tile per 32 keys): the weight truncated to bf16
+       (its upper half, paired by one vpermt2w) and, with AMX_PLO, the exact remainder as a
+       second bf16, truncated too (hi + lo within 2^-16 of the weight: the vdpbf16ps kernel's
+       ~16 bits, and the same errors against an fp32 reference);
+     O^T [hd x 16 rows] += V^T . P^T (+ V^T . P_lo^T): V^T packed per call as [KV, TP/32, hd, 32]
+       (A tiles of 16 dims x 32 keys, 1 KB contiguous); O^T in an fp32 buffer, each 16-dim tile
+       loaded, accumulated over the block's two 32-key halves and stored back.
+   The tile work is split into key tiles (S) and dim tiles (P V) and interleaved with the
+   weights: after each 16 keys' weights of block kb come one key tile of block kb+1's scores
+   and a share of block kb-1's P V, for the tile unit to run while the vector units go on.
+   Session 32's AMX Xeon VM (2 threads; 2,048 tokens of 9/3 heads of 64 in four 512-row chunks,
+   as `choose_rows_route` times them): 4.75 ms against 12 for bf16 SDPA and 39 for the vdpbf16ps
+   kernel; a first version (a separate max pass, degree-6 2^x, whole blocks in turn) took 6.0,
+   the whole-block order with the scores one block ahead 4.9. Measured there with the parts
+   left out, the weights take ~1.8 ms and the tile work ~2.3 (their sum: they hardly overlap),
+   of which ~1 ms is K and V coming from L2. Tried and dropped: 128- or 32-key blocks, two row
+   tiles stepping through the keys together (K/V reused from L1), software prefetch of the next
+   block, separate hi and lo O tiles: each no faster or slower. One bf16 a weight (AMX_PLO 0)
+   takes 4.1 ms but 1.3-1.5x the mean error of hi + lo, a little above bf16 SDPA's.
    Tile config (all 8 tiles 16 rows x 64 bytes) is loaded by each thread of the team, released
    at its end. AMX needs the process's permission first: `agentmem_amx_ok`. */
 #include <unistd.h>
@@ -1124,6 +1140,15 @@ int agentmem_amx_ok(void) {  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: 1 if
 #endif
 #ifndef AMX_PLO
 #define AMX_PLO 1  /* the weights as hi + lo bf16 in P V */
+#endif
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 1  /* blocks whose scores are computed ahead of the weights */
+#endif
+#ifndef AMX_RT
+#define AMX_RT 1  /* 16-row tiles a task steps through the keys with */
+#endif
+#ifndef AMX_LOTRUNC
+#define AMX_LOTRUNC 1
 #endif
 #define AMX_TGT __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -1148,6 +1173,36 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+#ifndef AMX_EXPDEG
+#define AMX_EXPDEG 4
+#endif
+/* 2^x for the weights: as exp2_16 with a near-minimax polynomial of degree AMX_EXPDEG (4:
+   relative error 2.7e-6, below what hi + lo keep, 2^-17; 5: 2.3e-7) */
+static inline __m512 exp2w_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+#if AMX_EXPDEG == 4
+    __m512 p = _mm512_set1_ps(0.009570101276040077f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05591786280274391f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.240247443318367f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931217908859253f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.9999992847442627f));
+#elif AMX_EXPDEG == 5
+    __m512 p = _mm512_set1_ps(0.001327647129073739f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.009675541892647743f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05550713092088699f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022120237350464f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
+#else
+    (void)r;
+    return exp2_16(x);
+#endif
+#if AMX_EXPDEG == 4 || AMX_EXPDEG == 5
+    return _mm512_scalef_ps(p, n);
+#endif
+}
+
 typedef struct {
     const uint16_t *q, *k, *kt, *vt;
     const int64_t *qpos;
@@ -1156,16 +1211,130 @@ typedef struct {
     float c;  /* scale * log2 e */
 } amx_args;
 
-/* tile t of O^T (16 dims) += V^T tile . P^T tile(s) */
+/* The weights of keys j0..j1-1 of a block (S^T in sb, [KB][16] fp32; j0, j1 even) as
+   2^(s c - M) (M: the running max per row lane, times c) into pb: bf16 key pairs
+   [KB/2][16][2], with AMX_PLO the remainders after them ([KB/2][16][2] more). The hi part is p
+   truncated to bf16 (its upper 16 bits, paired by one vpermt2w), the lo part the exact rest
+   (rounded to nearest, or with AMX_LOTRUNC truncated too): hi + lo within 2^-17 (2^-16) of p.
+   Adds the weights to *l and raises *xm to the max of s c - M over the visible keys (diag:
+   keys past a row's lim masked, their weights 0). */
+AMX_TGT static inline void amx_weights(const float *sb, uint32_t *pb, __m512 cv, __m512 M, int diag,
+                                       __m512i limv, int64_t k0, int j0, int j1, __m512 *l, __m512 *xm) {
 #if AMX_PLO
-#define AMX_PV(t, a) do { _tile_loadd(a, vb + (t) * 16 * 32, 64); _tile_dpbf16ps(t, a, 4); _tile_dpbf16ps(t, a, 5); } while (0)
-#else
-#define AMX_PV(t, a) do { _tile_loadd(a, vb + (t) * 16 * 32, 64); _tile_dpbf16ps(t, a, 4); } while (0)
+    /* upper words of p0 (0-31) and p1 (32-63) paired: (p0[r] >> 16, p1[r] >> 16) */
+    const __m512i upper = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
+                                           47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+    const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
 #endif
+#if !AMX_PLO || !AMX_LOTRUNC
+    /* bf16 words of cvtne2ps_pbh(p1, p0) (p0 in 0-15, p1 in 16-31) -> key pairs (p0[r], p1[r]) */
+    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#endif
+    __m512 x0m = *xm, x1m = x0m, s0 = _mm512_setzero_ps(), s1 = s0;
+    for (int j = j0; j < j1; j += 2) {
+        const __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(sb + j * 16), cv, M);
+        const __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(sb + (j + 1) * 16), cv, M);
+        __m512 p0 = exp2w_16(x0), p1 = exp2w_16(x1);
+        if (diag) {
+            const __mmask16 v0 = _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j)));
+            const __mmask16 v1 = _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j + 1)));
+            x0m = _mm512_mask_max_ps(x0m, v0, x0m, x0);
+            x1m = _mm512_mask_max_ps(x1m, v1, x1m, x1);
+            p0 = _mm512_maskz_mov_ps(v0, p0);
+            p1 = _mm512_maskz_mov_ps(v1, p1);
+        } else {
+            x0m = _mm512_max_ps(x0m, x0);
+            x1m = _mm512_max_ps(x1m, x1);
+        }
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+#if AMX_PLO
+        const __m512i i0 = _mm512_castps_si512(p0), i1 = _mm512_castps_si512(p1);
+        _mm512_store_si512(pb + j / 2 * 16, _mm512_permutex2var_epi16(i0, upper, i1));
+        const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_and_si512(i0, himask)));
+        const __m512 r1 = _mm512_sub_ps(p1, _mm512_castsi512_ps(_mm512_and_si512(i1, himask)));
+#if AMX_LOTRUNC
+        _mm512_store_si512(pb + AMX_KB / 2 * 16 + j / 2 * 16,
+                           _mm512_permutex2var_epi16(_mm512_castps_si512(r0), upper, _mm512_castps_si512(r1)));
+#else
+        _mm512_store_si512(pb + AMX_KB / 2 * 16 + j / 2 * 16,
+                           _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(r1, r0)));
+#endif
+#else
+        _mm512_store_si512(pb + j / 2 * 16, _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+#endif
+    }
+    *l = _mm512_add_ps(*l, _mm512_add_ps(s0, s1));
+    *xm = _mm512_max_ps(x0m, x1m);
+}
+
+#define AMX_PB (AMX_KB / 2 * 16 * (1 + AMX_PLO))  /* uint32 of a block's weights */
+
+/* Tiles: 0 an S^T tile (16 keys x 16 rows), 1 a Q^T tile (32 dims), 2 a K tile; 3 an O^T tile
+   (16 dims x 16 rows), 4 and 5 P^T tiles (32 keys, hi and lo), 6 a V^T tile. The S and P V
+   work of a block is split into the key tiles and dim tiles that make it, so that the two can
+   be interleaved with the weights on the vector units (`amx_attn_team`). */
+
+/* S^T of the 16 keys k0 + 16 i.. into sb + 16 i * 16 */
+AMX_TGT static inline void amx_score_tile(const amx_args *a, const uint32_t *qt, float *sb, int64_t k0, int64_t kvh,
+                                          int i) {
+    const int64_t hd = a->hd;
+    const uint8_t *kb;
+    int64_t ks;  /* bytes between keys */
+    if (k0 + AMX_KB <= a->T) {
+        kb = (const uint8_t *)(a->k + ((k0 + 16 * i) * a->KV + kvh) * hd);
+        ks = a->KV * hd * 2;
+    } else {  /* the partial last block, zero padded */
+        kb = (const uint8_t *)(a->kt + (kvh * AMX_KB + 16 * i) * hd);
+        ks = hd * 2;
+    }
+    _tile_zero(0);
+    if (hd == 64 && AMX_RT == 1) {  /* Q^T in tiles 1 and 7 since the task began */
+        _tile_loadd(2, kb, ks);
+        _tile_dpbf16ps(0, 2, 1);
+        _tile_loadd(2, kb + 64, ks);
+        _tile_dpbf16ps(0, 2, 7);
+    } else {
+        for (int64_t cc = 0; cc < hd; cc += 32) {
+            _tile_loadd(1, qt + cc / 2 * 16, 64);
+            _tile_loadd(2, kb + cc * 2, ks);
+            _tile_dpbf16ps(0, 2, 1);
+        }
+    }
+    _tile_stored(0, sb + 16 * i * 16, 64);
+}
+
+/* O^T dims 16 t.. (ob, [hd][16] fp32) += V^T P^T over the keys k0.. (AMX_KB) */
+AMX_TGT static inline void amx_pv_tile(const amx_args *a, const uint32_t *pb, float *ob, int64_t k0, int64_t kvh,
+                                       int64_t t) {
+    float *o = ob + t * 16 * 16;
+    _tile_loadd(3, o, 64);
+    for (int j = 0; j < AMX_KB; j += 32) {
+        _tile_loadd(6, a->vt + ((kvh * (a->TP / 32) + (k0 + j) / 32) * a->hd + 16 * t) * 32, 64);
+        _tile_loadd(4, pb + j / 2 * 16, 64);
+        _tile_dpbf16ps(3, 6, 4);
+#if AMX_PLO
+        _tile_loadd(5, pb + AMX_KB / 2 * 16 + j / 2 * 16, 64);
+        _tile_dpbf16ps(3, 6, 5);
+#endif
+    }
+    _tile_stored(3, o, 64);
+}
+
+/* One 16-row tile of a task: its rows' state while the task steps through the key blocks */
+typedef struct {
+    int64_t r0, nr, lmin, nkb;  /* first row, rows (the rest repeat the last), keys the first row sees, blocks */
+    __m512i limv;               /* keys each row sees */
+    __m512 M, l;                /* running max (times c) and sum of weights, per row lane */
+    float *sbuf, *ob;           /* S^T ring [AHEAD+1][KB][16]; O^T [hd][16] */
+    uint32_t *pt, *qt;          /* P^T (hi, lo) of two blocks; Q^T [hd/2][16] */
+} amx_rows;
 
 AMX_TGT static void amx_attn_team(const amx_args *a) {
-    const int64_t H = a->H, KV = a->KV, hd = a->hd, T = a->T, G = H / KV, np = hd / 2;
-    const int64_t nb = (a->Nq + 15) / 16;
+    const int64_t H = a->H, KV = a->KV, hd = a->hd, T = a->T, G = H / KV, np = hd / 2, ndt = hd / 16;
+    const int64_t nb = (a->Nq + 16 * AMX_RT - 1) / (16 * AMX_RT);
+    enum { NKT = AMX_KB / 16 };  /* key tiles a block */
     amx_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -1174,151 +1343,119 @@ AMX_TGT static void amx_attn_team(const amx_args *a) {
         cfg.rows[i] = 16;
     }
     _tile_loadconfig(&cfg);
-    float *sbuf = (float *)aligned_alloc(64, AMX_KB * 16 * 4);      /* S^T [KB keys][16 rows] */
-    uint32_t *pt = (uint32_t *)aligned_alloc(64, AMX_KB / 2 * 16 * 4 * 2);  /* P^T hi, then lo */
-    uint32_t *qt = (uint32_t *)aligned_alloc(64, (size_t)np * 16 * 4);  /* Q^T [hd/2][16 rows] */
-    float *ob = (float *)aligned_alloc(64, (size_t)hd * 16 * 4);      /* O^T [hd][16 rows] */
+    amx_rows R[AMX_RT];
+    for (int u = 0; u < AMX_RT; u++) {
+        R[u].sbuf = (float *)aligned_alloc(64, (AMX_AHEAD + 1) * AMX_KB * 16 * 4);
+        R[u].pt = (uint32_t *)aligned_alloc(64, 2 * AMX_PB * 4);
+        R[u].qt = (uint32_t *)aligned_alloc(64, (size_t)np * 16 * 4);
+        R[u].ob = (float *)aligned_alloc(64, (size_t)hd * 16 * 4);
+    }
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    /* bf16 words of cvtne2ps_pbh(p1, p0) (p0 in 0-15, p1 in 16-31) -> key pairs (p0[r], p1[r]) */
-    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 c = _mm512_set1_ps(a->c);
+    const __m512 cv = _mm512_set1_ps(a->c), th = _mm512_set1_ps(8.0f);
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < H * nb; task++) {
         const int64_t rb = nb - 1 - task / H, h = task % H, kvh = h / G;
-        const int64_t r0 = rb * 16, nr = a->Nq - r0 < 16 ? a->Nq - r0 : 16;
-        int32_t lim[16];
-        for (int r = 0; r < 16; r++) {
-            const int64_t p = a->qpos[r0 + (r < nr ? r : nr - 1)] + 1;
-            lim[r] = (int32_t)(p < T ? p : T);
-        }
-        const __m512i limv = _mm512_loadu_si512(lim);
-        const int64_t lmin = lim[0], lmax = lim[15];  /* rows ascend */
-        {   /* Q^T: dims (2p, 2p+1) of the 16 rows */
-            const uint32_t *qb = (const uint32_t *)(a->q + (r0 * H + h) * hd);
-            const __m512i rows = _mm512_min_epi32(lane, _mm512_set1_epi32((int)nr - 1));
+        int nu = 0;  /* row tiles of this task */
+        int64_t nkb = 0;
+        for (int u = 0; u < AMX_RT; u++) {
+            amx_rows *x = &R[u];
+            x->r0 = (rb * AMX_RT + u) * 16;
+            if (x->r0 >= a->Nq) break;
+            nu++;
+            x->nr = a->Nq - x->r0 < 16 ? a->Nq - x->r0 : 16;
+            int32_t lim[16];
+            for (int r = 0; r < 16; r++) {
+                const int64_t p = a->qpos[x->r0 + (r < x->nr ? r : x->nr - 1)] + 1;
+                lim[r] = (int32_t)(p < T ? p : T);
+            }
+            x->limv = _mm512_loadu_si512(lim);
+            x->lmin = lim[0];
+            x->nkb = (lim[15] + AMX_KB - 1) / AMX_KB;  /* rows ascend: the last sees most */
+            nkb = x->nkb;
+            /* Q^T: dims (2p, 2p+1) of the 16 rows */
+            const uint32_t *qb = (const uint32_t *)(a->q + (x->r0 * H + h) * hd);
+            const __m512i rows = _mm512_min_epi32(lane, _mm512_set1_epi32((int)x->nr - 1));
             const __m512i idx = _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)(H * np)));
             for (int64_t p = 0; p < np; p++)
-                _mm512_store_si512(qt + p * 16, _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32((int)p)), qb, 4));
+                _mm512_store_si512(x->qt + p * 16, _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32((int)p)), qb, 4));
+            if (hd == 64 && AMX_RT == 1) {
+                _tile_loadd(1, x->qt, 64);
+                _tile_loadd(7, x->qt + 256, 64);
+            }
+            for (int64_t d = 0; d < hd; d++) _mm512_store_ps(x->ob + d * 16, _mm512_setzero_ps());
+            x->l = _mm512_setzero_ps();
+            for (int64_t kb = 0; kb < AMX_AHEAD && kb < x->nkb; kb++)
+                for (int i = 0; i < NKT; i++) amx_score_tile(a, x->qt, x->sbuf + kb * AMX_KB * 16, kb * AMX_KB, kvh, i);
         }
-        for (int64_t d = 0; d < hd; d++) _mm512_store_ps(ob + d * 16, _mm512_setzero_ps());
-        __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-        const int64_t nkb = (lmax + AMX_KB - 1) / AMX_KB;
+        /* block kb of each row tile: its weights on the vector units, a key tile at a time, and
+           after each, a key tile of block kb + AMX_AHEAD's scores and a share of block kb - 1's
+           P V dims on the tile unit, which runs them while the vector units go on; the row tiles
+           take each block in turn, the second reading its keys and values from L1 */
         for (int64_t kb = 0; kb < nkb; kb++) {
             const int64_t k0 = kb * AMX_KB;
-            const uint16_t *kbase;
-            int64_t ks;  /* bytes between keys */
-            if (k0 + AMX_KB <= T) {
-                kbase = a->k + (k0 * KV + kvh) * hd;
-                ks = KV * hd * 2;
-            } else {
-                kbase = a->kt + kvh * AMX_KB * hd;
-                ks = hd * 2;
-            }
-            for (int j = 0; j < AMX_KB; j += 64) {  /* S^T, 64 keys (4 tiles) at a time */
-                const uint8_t *kj = (const uint8_t *)kbase + j * ks;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t cc = 0; cc < hd; cc += 32) {
-                    _tile_loadd(4, qt + cc / 2 * 16, 64);
-                    _tile_loadd(6, kj + cc * 2, ks);
-                    _tile_dpbf16ps(0, 6, 4);
-                    _tile_loadd(7, kj + 16 * ks + cc * 2, ks);
-                    _tile_dpbf16ps(1, 7, 4);
-                    _tile_loadd(6, kj + 32 * ks + cc * 2, ks);
-                    _tile_dpbf16ps(2, 6, 4);
-                    _tile_loadd(7, kj + 48 * ks + cc * 2, ks);
-                    _tile_dpbf16ps(3, 7, 4);
+            for (int u = 0; u < nu; u++) {
+                amx_rows *x = &R[u];
+                if (kb >= x->nkb) continue;
+                const float *sb = x->sbuf + (kb % (AMX_AHEAD + 1)) * AMX_KB * 16;
+                uint32_t *pb = x->pt + (kb & 1) * AMX_PB;
+                const uint32_t *pprev = x->pt + ((kb + 1) & 1) * AMX_PB;
+                float *snext = x->sbuf + ((kb + AMX_AHEAD) % (AMX_AHEAD + 1)) * AMX_KB * 16;
+                const int diag = k0 + AMX_KB > x->lmin;  /* some row does not see the whole block */
+                if (kb == 0) {  /* the running max from block 0's scores (every row sees key 0) */
+                    __m512 bm = _mm512_set1_ps(-INFINITY);
+                    for (int j = 0; j < AMX_KB; j++) {
+                        const __mmask16 vis = _mm512_cmpgt_epi32_mask(x->limv, _mm512_set1_epi32(j));
+                        bm = _mm512_mask_max_ps(bm, vis, bm, _mm512_load_ps(sb + j * 16));
+                    }
+                    x->M = _mm512_mul_ps(bm, cv);
                 }
-                _tile_stored(0, sbuf + (j + 0) * 16, 64);
-                _tile_stored(1, sbuf + (j + 16) * 16, 64);
-                _tile_stored(2, sbuf + (j + 32) * 16, 64);
-                _tile_stored(3, sbuf + (j + 48) * 16, 64);
-            }
-            const int diag = k0 + AMX_KB > lmin;  /* some row does not see the whole block */
-            __m512 bm = _mm512_set1_ps(-INFINITY);
-            if (!diag) {
-                for (int j = 0; j < AMX_KB; j++) bm = _mm512_max_ps(bm, _mm512_load_ps(sbuf + j * 16));
-            } else {
-                for (int j = 0; j < AMX_KB; j++) {
-                    const __mmask16 vis = _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j)));
-                    bm = _mm512_mask_max_ps(bm, vis, bm, _mm512_load_ps(sbuf + j * 16));
+                __m512 lb = _mm512_setzero_ps(), xm = _mm512_set1_ps(-INFINITY);
+                for (int i = 0; i < NKT; i++) {
+                    amx_weights(sb, pb, cv, x->M, diag, x->limv, k0, 16 * i, 16 * i + 16, &lb, &xm);
+                    if (kb + AMX_AHEAD < x->nkb) amx_score_tile(a, x->qt, snext, k0 + AMX_AHEAD * AMX_KB, kvh, i);
+                    if (kb > 0)
+                        for (int64_t t = i; t < ndt; t += NKT) amx_pv_tile(a, pprev, x->ob, k0 - AMX_KB, kvh, t);
                 }
-            }
-            if (kb == 0) {
-                m = bm;  /* every row sees key 0 */
-            } else {  /* raise a row's max only past 2^8 of growth (rows that see none of the block: -inf) */
-                const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(bm, m), c), _mm512_set1_ps(8.0f), _CMP_GT_OQ);
+                /* the max stays where it is unless a row's scores pass it by more than 8 (2^8): then
+                   O (through block kb - 1) is rescaled and this block's weights redone (rare after block 0) */
+                const __mmask16 up = _mm512_cmp_ps_mask(xm, th, _CMP_GT_OQ);
                 if (up) {
-                    const __m512 mn = _mm512_mask_mov_ps(m, up, bm);
-                    const __m512 al = exp2_16(_mm512_mul_ps(_mm512_sub_ps(m, mn), c));
-                    l = _mm512_mul_ps(l, al);
-                    for (int64_t d = 0; d < hd; d++) _mm512_store_ps(ob + d * 16, _mm512_mul_ps(_mm512_load_ps(ob + d * 16), al));
-                    m = mn;
+                    const __m512 Mn = _mm512_mask_add_ps(x->M, up, x->M, xm);
+                    const __m512 al = exp2_16(_mm512_sub_ps(x->M, Mn));
+                    x->l = _mm512_mul_ps(x->l, al);
+                    for (int64_t d = 0; d < hd; d++)
+                        _mm512_store_ps(x->ob + d * 16, _mm512_mul_ps(_mm512_load_ps(x->ob + d * 16), al));
+                    x->M = Mn;
+                    lb = _mm512_setzero_ps();
+                    amx_weights(sb, pb, cv, x->M, diag, x->limv, k0, 0, AMX_KB, &lb, &xm);
                 }
-            }
-            const __m512 mc = _mm512_mul_ps(m, c);
-            for (int j = 0; j < AMX_KB; j += 2) {  /* weights, as bf16 key pairs */
-                __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + j * 16), c, mc));
-                __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sbuf + (j + 1) * 16), c, mc));
-                if (diag) {
-                    p0 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j))), p0);
-                    p1 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(k0 + j + 1))), p1);
+                x->l = _mm512_add_ps(x->l, lb);
+                if (kb + 1 < x->nkb) continue;
+                /* the row tile's last block: its P V, then the rows out */
+                for (int64_t t = 0; t < ndt; t++) amx_pv_tile(a, pb, x->ob, k0, kvh, t);
+                const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), x->l);
+                for (int64_t d = 0; d < hd; d++)
+                    _mm512_store_ps(x->ob + d * 16, _mm512_mul_ps(_mm512_load_ps(x->ob + d * 16), inv));
+                const __m512i didx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
+                for (int64_t r = 0; r < x->nr; r++) {  /* O^T -> the rows of out */
+                    uint16_t *orow = a->out + ((x->r0 + r) * H + h) * hd;
+                    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+                        const __m512 o = _mm512_i32gather_ps(_mm512_add_epi32(didx, _mm512_set1_epi32((int)r)), x->ob + d0 * 16, 4);
+                        _mm256_storeu_si256((__m256i *)(orow + d0), (__m256i)_mm512_cvtneps_pbh(o));
+                    }
                 }
-                l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-                const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-                _mm512_store_si512(pt + j / 2 * 16, _mm512_permutexvar_epi16(pair, hi));
-#if AMX_PLO
-                const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-                const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
-                const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0));
-                _mm512_store_si512(pt + AMX_KB / 2 * 16 + j / 2 * 16, _mm512_permutexvar_epi16(pair, lo));
-#endif
-            }
-            for (int64_t dg = 0; dg < hd; dg += 64) {  /* O^T += V^T P^T, 64 dims (4 tiles) at a time */
-                const int nt = hd - dg < 64 ? (int)(hd - dg) / 16 : 4;
-                float *o = ob + dg * 16;
-                _tile_loadd(0, o, 64);
-                if (nt > 1) _tile_loadd(1, o + 256, 64);
-                if (nt > 2) _tile_loadd(2, o + 512, 64);
-                if (nt > 3) _tile_loadd(3, o + 768, 64);
-                for (int j = 0; j < AMX_KB; j += 32) {
-                    const uint16_t *vb = a->vt + ((kvh * (a->TP / 32) + (k0 + j) / 32) * hd + dg) * 32;
-                    _tile_loadd(4, pt + j / 2 * 16, 64);
-#if AMX_PLO
-                    _tile_loadd(5, pt + AMX_KB / 2 * 16 + j / 2 * 16, 64);
-#endif
-                    AMX_PV(0, 6);
-                    if (nt > 1) AMX_PV(1, 7);
-                    if (nt > 2) AMX_PV(2, 6);
-                    if (nt > 3) AMX_PV(3, 7);
-                }
-                _tile_stored(0, o, 64);
-                if (nt > 1) _tile_stored(1, o + 256, 64);
-                if (nt > 2) _tile_stored(2, o + 512, 64);
-                if (nt > 3) _tile_stored(3, o + 768, 64);
-            }
-        }
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-        for (int64_t d = 0; d < hd; d++) _mm512_store_ps(ob + d * 16, _mm512_mul_ps(_mm512_load_ps(ob + d * 16), inv));
-        const __m512i didx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
-        for (int64_t r = 0; r < nr; r++) {  /* O^T -> the rows of out */
-            uint16_t *orow = a->out + ((r0 + r) * H + h) * hd;
-            for (int64_t d0 = 0; d0 < hd; d0 += 16) {
-                const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(didx, _mm512_set1_epi32((int)r)), ob + d0 * 16, 4);
-                _mm256_storeu_si256((__m256i *)(orow + d0), (__m256i)_mm512_cvtneps_pbh(x));
             }
         }
     }
     _tile_release();
-    free(sbuf);
-    free(pt);
-    free(qt);
-    free(ob);
+    for (int u = 0; u < AMX_RT; u++) {
+        free(R[u].sbuf);
+        free(R[u].pt);
+        free(R[u].qt);
+        free(R[u].ob);
+    }
 }
-#undef AMX_PV
+#undef AMX_PB
 
 /* q/out bf16 [Nq, H, hd], qpos [Nq] ascending, k/v bf16 [T, KV, hd]; hd a multiple of 32 up to
    256, H a multiple of KV, scale > 0. Only where `agentmem_amx_ok` returned 1. */
@@ -1841,15 +1978,29 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
     return attend_pool(lib.agentmem_decode_attn_bf16, q, k_pool, v_pool, idx, keep, scale)
 
 
-def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
-    """The library where `rows_attention` takes such q [Nq, H, hd] and k [T, KV, hd] (bf16 on
-    the CPU, `attention_usable`) and is this machine's way for them (`rows_route`), else None."""
+def rows_kernel(q: torch.Tensor, k: torch.Tensor, route: str = "kernel") -> ctypes.CDLL | None:
+    """The library where `rows_attention` ("kernel") or `rows_attention_amx` ("amx") takes such
+    q [Nq, H, hd] and k [T, KV, hd] (bf16 on the CPU, `attention_usable`) and is this machine's
+    way for them (`rows_route`), else None."""
     lib = _lib
     if lib is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.dim() != 3 or k.dim() != 3:
         return None
     if not attention_usable(q.dtype, q.device, q.shape[1], k.shape[1], q.shape[2]):
         return None
-    return lib if rows_route(q.shape[1], k.shape[1], q.shape[2]) == "kernel" else None
+    return lib if rows_route(q.shape[1], k.shape[1], q.shape[2]) == route else None
+
+
+def rows_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                share: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Causal attention of bf16 query rows at `q_pos` over k/v by this machine's C way for the
+    shapes (`rows_route`: the vdpbf16ps kernel, or AMX tiles where they measured faster), or
+    None where the route is torch's SDPA (the caller runs it). `share` (the kvreuse probe's
+    per-key signal) only the vdpbf16ps kernel computes: with it the AMX route is None too."""
+    if (lib := rows_kernel(q, k)) is not None:
+        return rows_attention(lib, q, k, v, q_pos, share=share)
+    if share is None and (lib := rows_kernel(q, k, "amx")) is not None:
+        return rows_attention_amx(lib, q, k, v, q_pos)
+    return None
 
 
 def widen_rows(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -1858,36 +2009,41 @@ def widen_rows(q: torch.Tensor, k: torch.Tensor) -> bool:
             and rows_route(q.shape[1], k.shape[1], q.shape[2]) == "fp32")
 
 
-ATTN_MODES = {"on": "kernel", "off": "bf16", "bf16": "bf16", "fp32": "fp32"}  # AGENTMEM_ATTN_KERNEL -> route
+ATTN_MODES = {"on": "kernel", "off": "bf16", "bf16": "bf16", "fp32": "fp32", "amx": "amx"}  # AGENTMEM_ATTN_KERNEL -> route
 _ROUTES: dict[tuple[int, int, int], str] = {}  # (heads, kv_heads, head_dim) -> the route measured
 
 
 def rows_route(heads: int, kv_heads: int, head_dim: int) -> str:
-    """How causal attention of bf16 query rows runs: "kernel" (`rows_attention`), "fp32" (q, k
-    and v widened for torch's SDPA) or "bf16" (SDPA in bf16). AGENTMEM_ATTN_KERNEL = auto (the
-    default: what `choose_rows_route` measured for these shapes, else the kernel) | on (the
-    kernel) | off (SDPA in bf16) | fp32."""
+    """How causal attention of bf16 query rows runs: "kernel" (`rows_attention`), "amx"
+    (`rows_attention_amx`, AMX tiles), "fp32" (q, k and v widened for torch's SDPA) or "bf16"
+    (SDPA in bf16). AGENTMEM_ATTN_KERNEL = auto (the default: what `choose_rows_route` measured
+    for these shapes, else the kernel) | on (the kernel) | off (SDPA in bf16) | fp32 | amx (where
+    `amx_usable`, else bf16 SDPA)."""
     mode = os.environ.get("AGENTMEM_ATTN_KERNEL", "auto")
     if mode == "auto":
         return _ROUTES.get((heads, kv_heads, head_dim), "kernel")
     if mode not in ATTN_MODES:
         raise ValueError(f"AGENTMEM_ATTN_KERNEL must be auto, {', '.join(ATTN_MODES)}, got {mode!r}")
+    if mode == "amx" and not amx_usable(_lib):
+        return "bf16"
     return ATTN_MODES[mode]
 
 
 def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim: int) -> str:
     """Time a 2,048-token causal prefill's attention (four 512-row chunks) with the kernel,
-    widened to fp32 and through SDPA in bf16, once per machine and shape (remembered under
+    widened to fp32, through SDPA in bf16 and on AMX tiles (`amx_usable`), once per machine and shape (remembered under
     `cache_dir`), and keep the fastest for `rows_route`. No way wins everywhere: on the AMD
     EPYC VMs the kernel ran 2,048 tokens 3x faster than SDPA; on a Xeon VM with avx512_bf16
     (no AMX), where vdpbf16ps issues at half the rate of fp32 FMAs, it took 50 ms a layer
     against fp32 SDPA's 36; on a Xeon VM with AMX, bf16 SDPA (oneDNN's AMX flash attention)
-    took 13 ms against the kernel's 40 and fp32's 33 (session 31)."""
+    took 13 ms against the kernel's 40 and fp32's 33 (session 31), and where AMX is usable the
+    engine's own AMX kernel is a fourth candidate: 4.7-5.2 ms against bf16 SDPA's 12 there
+    (session 32)."""
     if _lib is None or not attention_usable(torch.bfloat16, torch.device("cpu"), heads, kv_heads, head_dim):
         return "bf16"
     from ..model_runner import sdpa_chunk  # lazy: the runner imports this module
 
-    key = f"rows-attention-3|{tag()}|{torch.__version__}|{heads},{kv_heads},{head_dim}|{torch.get_num_threads()}|" \
+    key = f"rows-attention-4|{tag()}|{torch.__version__}|{heads},{kv_heads},{head_dim}|{torch.get_num_threads()}|" \
           + simd_flags()
 
     def measure() -> dict:
@@ -1911,7 +2067,11 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
             for s in range(0, n, chunk):  # the route bf16
                 sdpa_chunk(q[s:s + chunk], k[:s + chunk], v[:s + chunk], s)
 
-        runs = (("kernel", kernel), ("fp32", widened), ("bf16", bf16))
+        def amx():
+            for s in range(0, n, chunk):
+                rows_attention_amx(_lib, q[s:s + chunk], k[:s + chunk], v[:s + chunk], pos[s:s + chunk])
+
+        runs = (("kernel", kernel), ("fp32", widened), ("bf16", bf16)) + ((("amx", amx),) if amx_usable(_lib) else ())
         times = {name: best_seconds(fn, 3) for name, fn in runs}
         return {"route": min(times, key=times.get), "ms": {k_: round(t * 1e3, 2) for k_, t in times.items()}}
 
@@ -1988,6 +2148,8 @@ def rows_attention_amx(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: to
     scale = hd ** -0.5 if scale is None else scale
     if not scale > 0:
         raise ValueError(f"rows_attention_amx: scale must be > 0, got {scale}")
+    if not amx_usable(lib):  # the tile instructions would fault
+        raise RuntimeError("rows_attention_amx: no AMX here (see amx_usable)")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()
     out = torch.empty_like(q)
