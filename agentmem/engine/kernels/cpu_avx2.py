@@ -367,24 +367,18 @@ static void da_item(const float *q, const float *kp, const float *vp, const int6
 /* out[b, h] from row b's nc chunk items: each chunk's sums rescaled to the row's maximum. */
 static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64_t b, int64_t h, float *out) {
     const int64_t ldp = hd + 2, nd = hd / 8;
-    float mx = -INFINITY, L = 0.0f;
-    for (int64_t c = 0; c < nc; c++) {
-        const float *p = part + ((b * nc + c) * H + h) * ldp;
-        if (p[1] > 0.0f && p[0] > mx) mx = p[0];
-    }
+    float w[nc + 1];
+    da_weights(part, nc, H, ldp, b, h, w);
     __m256 o[32];
     for (int64_t d = 0; d < nd; d++) o[d] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; c++) {
+        if (w[c] == 0.0f) continue;
         const float *p = part + ((b * nc + c) * H + h) * ldp;
-        if (!(p[1] > 0.0f)) continue;
-        const float w = expf(p[0] - mx);
-        L += w * p[1];
-        const __m256 wv = _mm256_set1_ps(w);
+        const __m256 wv = _mm256_set1_ps(w[c]);
         for (int64_t d = 0; d < nd; d++) o[d] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p + 2 + 8 * d), o[d]);
     }
-    const __m256 inv = _mm256_set1_ps(L > 0.0f ? 1.0f / L : 0.0f);
     float *oh = out + (b * H + h) * hd;
-    for (int64_t d = 0; d < nd; d++) _mm256_storeu_ps(oh + 8 * d, _mm256_mul_ps(o[d], inv));
+    for (int64_t d = 0; d < nd; d++) _mm256_storeu_ps(oh + 8 * d, o[d]);
 }
 
 void agentmem_avx2_decode_attn_f32(const float *q, const float *kp, const float *vp, const int64_t *idx,

@@ -64,6 +64,24 @@ static int64_t da_chunk(int64_t B, int64_t W, int threads) {
     ch = (ch + 15) / 16 * 16;
     return ch < 32 ? 32 : ch > DA_MAX ? DA_MAX : ch;
 }
+
+/* The weight of each of row b's nc chunk items for head h in the merged output (part: per item
+   and head the chunk's score maximum, exp sum and ldp - 2 V sums): exp(max - row max) over the
+   row's total exp sum, 0 for a chunk that kept no key (all 0 for a row that kept none). */
+static void da_weights(const float *part, int64_t nc, int64_t H, int64_t ldp, int64_t b, int64_t h, float *w) {
+    float mx = -INFINITY, L = 0.0f;
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + ((b * nc + c) * H + h) * ldp;
+        if (p[1] > 0.0f && p[0] > mx) mx = p[0];
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + ((b * nc + c) * H + h) * ldp;
+        w[c] = p[1] > 0.0f ? expf(p[0] - mx) : 0.0f;
+        L += w[c] * p[1];
+    }
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    for (int64_t c = 0; c < nc; c++) w[c] *= inv;
+}
 """
 
 _SOURCE = r"""
@@ -714,26 +732,20 @@ static void da_item(const uint16_t *q, int64_t ldq, const uint16_t *kp, const ui
 static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64_t b, int64_t h, uint16_t *out,
                      int64_t ldo) {
     const int64_t ldp = hd + 2, nd = hd / 16;
-    float mx = -INFINITY, L = 0.0f;
-    for (int64_t c = 0; c < nc; c++) {
-        const float *p = part + ((b * nc + c) * H + h) * ldp;
-        if (p[1] > 0.0f && p[0] > mx) mx = p[0];
-    }
+    float w[nc + 1];
+    da_weights(part, nc, H, ldp, b, h, w);
     __m512 o[16];
     for (int64_t d = 0; d < nd; d++) o[d] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; c++) {
+        if (w[c] == 0.0f) continue;
         const float *p = part + ((b * nc + c) * H + h) * ldp;
-        if (!(p[1] > 0.0f)) continue;
-        const float w = expf(p[0] - mx);
-        L += w * p[1];
-        const __m512 wv = _mm512_set1_ps(w);
+        const __m512 wv = _mm512_set1_ps(w[c]);
         for (int64_t d = 0; d < nd; d++) o[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p + 2 + 16 * d), o[d]);
     }
-    const __m512 inv = _mm512_set1_ps(L > 0.0f ? 1.0f / L : 0.0f);
     uint16_t *oh = out + b * ldo + h * hd;
     float tmp[16];
     for (int64_t d = 0; d < nd; d++) {
-        _mm512_storeu_ps(tmp, _mm512_mul_ps(o[d], inv));
+        _mm512_storeu_ps(tmp, o[d]);
         for (int i = 0; i < 16; i++) oh[16 * d + i] = to_bf16(tmp[i]);
     }
 }
