@@ -246,13 +246,10 @@ def _causal_reference(q, k, v, q_pos):
     return torch.einsum("nht,thd->nhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), vv)
 
 
-@pytest.mark.parametrize("keys,rows,heads,kv,hd,how", [
-    (37, 37, 9, 3, 64, "prefill"), (300, 100, 9, 3, 64, "chunk"), (130, 61, 8, 1, 128, "scattered"),
-    (17, 5, 4, 4, 32, "scattered"), (1, 1, 2, 1, 64, "prefill"), (515, 256, 6, 2, 64, "scattered")])
-def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, how):
-    """Prefill chunks (rows start..end-1) and CacheBlend's recomputed rows (any ascending
-    positions) over keys of any length (not a multiple of 16), with and without GQA."""
-    g = torch.Generator().manual_seed(keys * rows + hd)
+def _rows_case(keys: int, rows: int, heads: int, kv: int, hd: int, how: str, seed: int):
+    """Random bf16 q [rows, heads, hd], k/v [keys, kv, hd] and the rows' positions: a prefill
+    from 0, the last chunk, or scattered ascending rows (CacheBlend's recomputed ones)."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, heads, hd, generator=g).bfloat16()
     k = torch.randn(keys, kv, hd, generator=g).bfloat16()
     v = torch.randn(keys, kv, hd, generator=g).bfloat16()
@@ -262,14 +259,31 @@ def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, h
         pos = torch.arange(keys - rows, keys)
     else:
         pos = torch.randperm(keys, generator=g)[:rows].sort().values
-    out = cpu_gemv.rows_attention(lib, q, k, v, pos)
+    return q, k, v, pos
+
+
+def _assert_causal(out, q, k, v, pos) -> torch.Tensor:
+    """out is causal attention of q at pos over k/v: within bf16 rounding of an fp32 softmax and
+    no worse on average than torch's bf16 SDPA; returns the reference."""
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     ref = _causal_reference(q, k, v, pos)
     # fp32 scores and softmax, the weights as two bf16 each: the bf16 output's rounding is the error
     assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
     from agentmem.engine.kernels.reference import sdpa
-    torch_bf16 = sdpa(q, k, v, torch.arange(keys)[None, :] <= pos[:, None]).float()
+    torch_bf16 = sdpa(q, k, v, torch.arange(k.shape[0])[None, :] <= pos[:, None]).float()
     assert (out.float() - ref).abs().mean() <= 1.1 * (torch_bf16 - ref).abs().mean() + 1e-6  # no worse than SDPA
+    return ref
+
+
+@pytest.mark.parametrize("keys,rows,heads,kv,hd,how", [
+    (37, 37, 9, 3, 64, "prefill"), (300, 100, 9, 3, 64, "chunk"), (130, 61, 8, 1, 128, "scattered"),
+    (17, 5, 4, 4, 32, "scattered"), (1, 1, 2, 1, 64, "prefill"), (515, 256, 6, 2, 64, "scattered")])
+def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, how):
+    """Prefill chunks (rows start..end-1) and CacheBlend's recomputed rows (any ascending
+    positions) over keys of any length (not a multiple of 16), with and without GQA."""
+    q, k, v, pos = _rows_case(keys, rows, heads, kv, hd, how, keys * rows + hd)
+    out = cpu_gemv.rows_attention(lib, q, k, v, pos)
+    _assert_causal(out, q, k, v, pos)
 
 
 @pytest.mark.parametrize("keys,rows,heads,kv", [(2048, 40, 9, 3), (37, 1, 4, 4), (300, 7, 8, 2)])
@@ -637,23 +651,9 @@ def test_rows_attention_amx_matches_causal_softmax(amx_lib, keys, rows, heads, k
     """The AMX kernel: what `rows_attention` computes, for prefill chunks and CacheBlend's rows,
     any row and key count, GQA or not, head_dim 32 to 128; as close to an fp32 softmax as the
     vdpbf16ps kernel (the weights as hi + lo bf16) and no worse than torch's bf16 SDPA."""
-    g = torch.Generator().manual_seed(keys * rows + hd + 1)
-    q = torch.randn(rows, heads, hd, generator=g).bfloat16()
-    k = torch.randn(keys, kv, hd, generator=g).bfloat16()
-    v = torch.randn(keys, kv, hd, generator=g).bfloat16()
-    if how == "prefill":
-        pos = torch.arange(rows)
-    elif how == "chunk":
-        pos = torch.arange(keys - rows, keys)
-    else:
-        pos = torch.randperm(keys, generator=g)[:rows].sort().values
+    q, k, v, pos = _rows_case(keys, rows, heads, kv, hd, how, keys * rows + hd + 1)
     out = cpu_gemv.rows_attention_amx(amx_lib, q, k, v, pos)
-    assert out.shape == q.shape and out.dtype == torch.bfloat16
-    ref = _causal_reference(q, k, v, pos)
-    assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
-    from agentmem.engine.kernels.reference import sdpa
-    torch_bf16 = sdpa(q, k, v, torch.arange(keys)[None, :] <= pos[:, None]).float()
-    assert (out.float() - ref).abs().mean() <= 1.1 * (torch_bf16 - ref).abs().mean() + 1e-6
+    ref = _assert_causal(out, q, k, v, pos)
     old = cpu_gemv.rows_attention(amx_lib, q, k, v, pos).float()
     assert (out.float() - ref).abs().mean() <= 1.1 * (old - ref).abs().mean() + 1e-6
 
