@@ -1526,7 +1526,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
     "agentmem_rows_attn_amx": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32],
-    "agentmem_amx_ok": [],  # returns int: typed by `amx_usable`
+    "agentmem_amx_ok": ([], _I32),
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
     "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
     "agentmem_qkv_q8u8": [_P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I32],
@@ -1573,8 +1573,9 @@ def load_once(module: types.ModuleType, name: str, cpu_ok: Callable[[], bool], n
 def build(name: str, source: str, flags: list[str], signatures: dict, cache_dir: Path | str | None
           ) -> tuple[ctypes.CDLL | None, str | None]:
     """C `source` compiled with `flags` by the system's compiler into `<cache_dir>/kernels/<name>-<hash>.so`
-    (once: the file is kept) and loaded, its functions typed by `signatures` (name -> argtypes);
-    (library, None), or (None, why not) with a warning."""
+    (once: the file is kept) and loaded, its functions typed by `signatures` (name -> argtypes,
+    or (argtypes, restype) for one that returns a value); (library, None), or (None, why not)
+    with a warning."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         why = "no C compiler (cc/gcc) on PATH"
@@ -1592,9 +1593,9 @@ def build(name: str, source: str, flags: list[str], signatures: dict, cache_dir:
             subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
             os.replace(tmp, so)
         lib = ctypes.CDLL(str(so))
-        for fn_name, argtypes in signatures.items():
+        for fn_name, spec in signatures.items():  # argument types, or (argument types, return type)
             fn = getattr(lib, fn_name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = spec if isinstance(spec, tuple) else (spec, None)
         return lib, None
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", b"") or b""
@@ -2134,9 +2135,7 @@ def amx_usable(lib: ctypes.CDLL | None = None) -> bool:
         flags = cpu_flags()
         ok = False
         if "amx_bf16" in flags and "amx_tile" in flags:
-            fn = lib.agentmem_amx_ok
-            fn.argtypes, fn.restype = [], ctypes.c_int
-            ok = fn() == 1
+            ok = lib.agentmem_amx_ok() == 1
         _amx = ok
     return _amx
 
