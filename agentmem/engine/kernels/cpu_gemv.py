@@ -1120,8 +1120,8 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
        polynomial (relative error 2.7e-6). Keys past a row's position are masked only in the
        blocks that reach past the task's first row;
      P^T as bf16 key pairs [32, 16 rows, 2] (a B tile per 32 keys): the weight truncated to bf16
-       (its upper half, paired by one vpermt2w) and, with AMX_PLO, the exact remainder as a
-       second bf16, truncated too (hi + lo within 2^-16 of the weight: the vdpbf16ps kernel's
+       (its upper half, paired by one vpermt2w) and the exact remainder as a second bf16,
+       truncated too (hi + lo within 2^-16 of the weight: the vdpbf16ps kernel's
        ~16 bits, and the same errors against an fp32 reference);
      O^T [hd x 16 rows] += V^T . P^T (+ V^T . P_lo^T): V^T packed per call as [KV, TP/32, hd, 32]
        (A tiles of 16 dims x 32 keys, 1 KB contiguous); O^T in an fp32 buffer, each 16-dim tile
@@ -1136,8 +1136,8 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
    left out, the weights take ~1.8 ms and the tile work ~2.3 (their sum: they hardly overlap),
    of which ~1 ms is K and V coming from L2. Tried and dropped: 128- or 32-key blocks, two row
    tiles stepping through the keys together (K/V reused from L1), software prefetch of the next
-   block, separate hi and lo O tiles: each no faster or slower. One bf16 a weight (AMX_PLO 0)
-   takes 4.1 ms but 1.3-1.5x the mean error of hi + lo, a little above bf16 SDPA's.
+   block, separate hi and lo O tiles: each no faster or slower. One bf16 a weight (no lo part)
+   took 4.1 ms but 1.3-1.5x the mean error of hi + lo, a little above bf16 SDPA's.
    Tile config (all 8 tiles 16 rows x 64 bytes) is loaded by each thread of the team, released
    at its end. AMX needs the process's permission first: `agentmem_amx_ok`. */
 #include <unistd.h>
@@ -1150,17 +1150,11 @@ int agentmem_amx_ok(void) {  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: 1 if
 #ifndef AMX_KB
 #define AMX_KB 64  /* keys a block: 4 S tiles */
 #endif
-#ifndef AMX_PLO
-#define AMX_PLO 1  /* the weights as hi + lo bf16 in P V */
-#endif
 #ifndef AMX_AHEAD
 #define AMX_AHEAD 1  /* blocks whose scores are computed ahead of the weights */
 #endif
 #ifndef AMX_RT
 #define AMX_RT 1  /* 16-row tiles a task steps through the keys with */
-#endif
-#ifndef AMX_LOTRUNC
-#define AMX_LOTRUNC 1
 #endif
 #define AMX_TGT __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -1185,34 +1179,17 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-#ifndef AMX_EXPDEG
-#define AMX_EXPDEG 4
-#endif
-/* 2^x for the weights: as exp2_16 with a near-minimax polynomial of degree AMX_EXPDEG (4:
-   relative error 2.7e-6, below what hi + lo keep, 2^-17; 5: 2.3e-7) */
+/* 2^x for the weights: as exp2_16 with a near-minimax polynomial of degree 4 (relative error
+   2.7e-6, below the 2^-16 that hi + lo keep) */
 static inline __m512 exp2w_16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
-#if AMX_EXPDEG == 4
     __m512 p = _mm512_set1_ps(0.009570101276040077f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05591786280274391f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.240247443318367f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931217908859253f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.9999992847442627f));
-#elif AMX_EXPDEG == 5
-    __m512 p = _mm512_set1_ps(0.001327647129073739f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.009675541892647743f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05550713092088699f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022120237350464f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931469440460205f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
-#else
-    (void)r;
-    return exp2_16(x);
-#endif
-#if AMX_EXPDEG == 4 || AMX_EXPDEG == 5
     return _mm512_scalef_ps(p, n);
-#endif
 }
 
 typedef struct {
@@ -1225,24 +1202,17 @@ typedef struct {
 
 /* The weights of keys j0..j1-1 of a block (S^T in sb, [KB][16] fp32; j0, j1 even) as
    2^(s c - M) (M: the running max per row lane, times c) into pb: bf16 key pairs
-   [KB/2][16][2], with AMX_PLO the remainders after them ([KB/2][16][2] more). The hi part is p
-   truncated to bf16 (its upper 16 bits, paired by one vpermt2w), the lo part the exact rest
-   (rounded to nearest, or with AMX_LOTRUNC truncated too): hi + lo within 2^-17 (2^-16) of p.
+   [KB/2][16][2], then the remainders ([KB/2][16][2] more). The hi part is p truncated to bf16
+   (its upper 16 bits, paired by one vpermt2w), the lo part the exact rest truncated too: hi +
+   lo within 2^-16 of p.
    Adds the weights to *l and raises *xm to the max of s c - M over the visible keys (diag:
    keys past a row's lim masked, their weights 0). */
 AMX_TGT static inline void amx_weights(const float *sb, uint32_t *pb, __m512 cv, __m512 M, int diag,
                                        __m512i limv, int64_t k0, int j0, int j1, __m512 *l, __m512 *xm) {
-#if AMX_PLO
     /* upper words of p0 (0-31) and p1 (32-63) paired: (p0[r] >> 16, p1[r] >> 16) */
     const __m512i upper = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
                                            47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
     const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
-#endif
-#if !AMX_PLO || !AMX_LOTRUNC
-    /* bf16 words of cvtne2ps_pbh(p1, p0) (p0 in 0-15, p1 in 16-31) -> key pairs (p0[r], p1[r]) */
-    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-#endif
     __m512 x0m = *xm, x1m = x0m, s0 = _mm512_setzero_ps(), s1 = s0;
     for (int j = j0; j < j1; j += 2) {
         const __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(sb + j * 16), cv, M);
@@ -1261,27 +1231,18 @@ AMX_TGT static inline void amx_weights(const float *sb, uint32_t *pb, __m512 cv,
         }
         s0 = _mm512_add_ps(s0, p0);
         s1 = _mm512_add_ps(s1, p1);
-#if AMX_PLO
         const __m512i i0 = _mm512_castps_si512(p0), i1 = _mm512_castps_si512(p1);
         _mm512_store_si512(pb + j / 2 * 16, _mm512_permutex2var_epi16(i0, upper, i1));
         const __m512 r0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_and_si512(i0, himask)));
         const __m512 r1 = _mm512_sub_ps(p1, _mm512_castsi512_ps(_mm512_and_si512(i1, himask)));
-#if AMX_LOTRUNC
         _mm512_store_si512(pb + AMX_KB / 2 * 16 + j / 2 * 16,
                            _mm512_permutex2var_epi16(_mm512_castps_si512(r0), upper, _mm512_castps_si512(r1)));
-#else
-        _mm512_store_si512(pb + AMX_KB / 2 * 16 + j / 2 * 16,
-                           _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(r1, r0)));
-#endif
-#else
-        _mm512_store_si512(pb + j / 2 * 16, _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
-#endif
     }
     *l = _mm512_add_ps(*l, _mm512_add_ps(s0, s1));
     *xm = _mm512_max_ps(x0m, x1m);
 }
 
-#define AMX_PB (AMX_KB / 2 * 16 * (1 + AMX_PLO))  /* uint32 of a block's weights */
+#define AMX_PB (AMX_KB / 2 * 16 * 2)  /* uint32 of a block's weights (hi and lo) */
 
 /* Tiles: 0 an S^T tile (16 keys x 16 rows), 1 a Q^T tile (32 dims), 2 a K tile; 3 an O^T tile
    (16 dims x 16 rows), 4 and 5 P^T tiles (32 keys, hi and lo), 6 a V^T tile. The S and P V
@@ -1326,10 +1287,8 @@ AMX_TGT static inline void amx_pv_tile(const amx_args *a, const uint32_t *pb, fl
         _tile_loadd(6, a->vt + ((kvh * (a->TP / 32) + (k0 + j) / 32) * a->hd + 16 * t) * 32, 64);
         _tile_loadd(4, pb + j / 2 * 16, 64);
         _tile_dpbf16ps(3, 6, 4);
-#if AMX_PLO
         _tile_loadd(5, pb + AMX_KB / 2 * 16 + j / 2 * 16, 64);
         _tile_dpbf16ps(3, 6, 5);
-#endif
     }
     _tile_stored(3, o, 64);
 }
