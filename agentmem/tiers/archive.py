@@ -380,12 +380,12 @@ class Archive:
         flattened transcript imported one message at a time: a "Name: " prefix names its
         speaker when this user already has messages by that name (from an earlier transcript
         batch or a `name` field); "Paris: day 3" stays text."""
-        prefixes = {prefix_name(row.text) for row in rows} - {None}
-        known = {n for n in prefixes if s.scalar(select(MessageRow.id).where(
+        names = [prefix_name(row.text) for row in rows]
+        known = {n for n in set(names) - {None} if s.scalar(select(MessageRow.id).where(
             MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id, MessageRow.name == n).limit(1))
             is not None}
-        for row in rows:
-            if (name := prefix_name(row.text)) in known:
+        for row, name in zip(rows, names, strict=True):
+            if name in known:
                 row.name = name
 
     def messages(self, tenant_id: str, user_id: str, session_id: str | None = None, after_id: int = 0,
