@@ -121,3 +121,111 @@ def test_tiny_run_keeps_the_json_contract(engine, embedder, tmp_path):
         assert 0 < r["search_p50_s"] <= r["search_p95_s"] and 0 < r["context_p95_s"]
     assert out["ingest_msgs_per_s"] > 0 and out["dtype"] == "float32"
     assert out["questions"] == sum(c["questions"] for c in out["by_category"].values())
+
+
+# --- data sets from files (`--dataset`) ----------------------------------------------------------
+
+def _own_file(tmp_path, **over):
+    doc = {
+        "conversations": [{"id": "A", "speakers": ["Ines", "Kwame"], "sessions": [
+            {"date": "2023-01-14T19:05:00", "turns": [
+                {"speaker": "Ines", "text": "hey! long week"},
+                {"speaker": "Kwame", "text": "look what I made!!", "caption": "a loaf of sourdough bread on a board"},
+                {"speaker": "Ines", "text": "we got the keys to the new flat last Tuesday"}]},
+            {"date": "2023-02-20T08:00:00+01:00", "turns": [
+                {"speaker": "Kwame", "text": "finally bought a second-hand cello"},
+                {"speaker": "Ines", "text": "no way, play me something"}]}]}],
+        "questions": [
+            {"conversation": "A", "question": "Which instrument did Kwame pick up?", "answer": "a cello",
+             "category": "single_hop", "evidence": [[1, 0]]},
+            {"conversation": "A", "question": "What did Kwame bake?", "answer": "bread", "category": "single_hop",
+             "evidence": [[0, 1]]},
+            {"conversation": "A", "question": "When did Ines move?", "category": "temporal", "evidence": [[0, 2], [0, 2]]},
+            {"conversation": "A", "question": "Out of range", "category": "single_hop", "evidence": [[5, 0]]},
+            {"conversation": "Z", "question": "Unknown conversation", "category": "single_hop", "evidence": [[0, 0]]},
+        ]}
+    doc.update(over)
+    path = tmp_path / "own.json"
+    path.write_text(__import__("json").dumps(doc))
+    return path
+
+
+def test_own_layout_loads_turns_dates_captions_and_evidence(tmp_path):
+    from agentmem.recall_bench.dataset import TURN_GAP, load_dataset
+
+    data, skipped = load_dataset(_own_file(tmp_path))
+    (conv,) = data.conversations
+    assert conv.speakers == ("Ines", "Kwame") and len(conv.turns) == 5 and skipped == 2
+    assert [t.session for t in conv.turns] == [0, 0, 0, 1, 1]
+    assert conv.turns[1].created_at - conv.turns[0].created_at == TURN_GAP
+    assert conv.turns[0].created_at.tzinfo is not None and conv.turns[3].created_at.utcoffset().total_seconds() == 3600
+    assert conv.turns[1].caption == "a loaf of sourdough bread on a board" and "[image:" in conv.turns[1].seen
+    assert [(q.category, q.evidence) for q in data.questions] == [("single_hop", (3,)), ("single_hop", (1,)),
+                                                                  ("temporal", (2,))]
+    msgs = conv.sessions()
+    assert msgs[0][1] == {"role": "assistant", "content": "look what I made!!", "created_at": conv.turns[1].created_at,
+                          "name": "Kwame", "caption": "a loaf of sourdough bread on a board"}
+    assert "caption" not in msgs[0][0] and msgs[1][0]["role"] == "assistant"
+
+
+def test_locomo_style_layout_loads(tmp_path):
+    import json
+
+    from agentmem.recall_bench.dataset import load_dataset
+
+    sample = {"sample_id": "s1", "conversation": {
+        "speaker_a": "Caroline", "speaker_b": "Melanie",
+        "session_1_date_time": "1:56 pm on 8 May, 2023",
+        "session_1": [{"speaker": "Caroline", "dia_id": "D1:1", "text": "I went to a support group yesterday"},
+                      {"speaker": "Melanie", "dia_id": "D1:2", "text": "so proud!", "blip_caption": "a photo of a cake"}],
+        "session_2_date_time": "10:37 am on 27 June, 2023",
+        "session_2": [{"speaker": "Melanie", "dia_id": "D2:1", "text": "I ran a charity race last Saturday"}]},
+        "qa": [{"question": "When did Caroline go to the support group?", "answer": "7 May 2023",
+                "evidence": ["D1:1"], "category": 2},
+               {"question": "What did they do?", "evidence": ["D1:2; D2:1"], "category": 1},
+               {"question": "Unanswerable", "evidence": [], "category": 5},
+               {"question": "Bad id", "evidence": ["D9:9"], "category": 4}]}
+    path = tmp_path / "locomo.json"
+    path.write_text(json.dumps([sample]))
+    data, skipped = load_dataset(path)
+    (conv,) = data.conversations
+    assert conv.id == "s1" and conv.speakers == ("Caroline", "Melanie") and skipped == 2
+    assert conv.turns[0].created_at.isoformat() == "2023-05-08T13:56:00+00:00"
+    assert conv.turns[2].session == 1 and conv.turns[1].caption == "a photo of a cake"
+    assert [(q.category, q.evidence) for q in data.questions] == [("category_2", (0,)), ("category_1", (1, 2))]
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("not json", "Expecting value"),
+    ('{"nothing": 1}', "neither agentmem's layout"),
+    ('{"conversations": [{"id": "A", "sessions": [{"date": "yesterday-ish", "turns": []}]}]}', "unreadable date"),
+    ('{"conversations": [{"id": "A", "sessions": [{"date": "2023-01-01", "turns": [{"speaker": "A", "text": " "}]}]}]}',
+     "text must be a non-empty string"),
+])
+def test_bad_dataset_files_say_what_is_wrong(tmp_path, content, needle):
+    from agentmem.recall_bench.dataset import DatasetError, load_dataset
+
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=needle):
+        load_dataset(path)
+
+
+def test_bench_recall_cli_rejects_a_bad_dataset_before_loading_the_model(tmp_path, capsys):
+    from agentmem.recall_bench.bench import main
+
+    path = tmp_path / "bad.json"
+    path.write_text("[]")
+    assert main(["--dataset", str(path)]) == 2
+    assert "neither agentmem's layout" in capsys.readouterr().err
+
+
+def test_run_on_a_dataset_file_scores_its_own_categories(engine, embedder, tmp_path):
+    args = argparse.Namespace(seed=0, conversations=1, sessions=None, turns="20,60", scale=None, scale_queries=3,
+                              no_scale=False, db_url=None, dtype="float32", dataset=str(_own_file(tmp_path)))
+    out = run(args, engine, embedder, tmp_path / "store")
+    assert out["dataset"].endswith("own.json") and out["skipped_questions"] == 2 and out["scale"] == []
+    assert list(out["by_category"]) == ["temporal", "single_hop"]  # the generator's categories first
+    assert out["by_category"]["single_hop"]["questions"] == 2 and out["questions"] == 3
+    # five turns: every evidence turn is among the top 10 of every ranking
+    assert out["evidence_recall_at_10"] == out["dense_recall_at_10"] == 1.0

@@ -28,10 +28,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from .dataset import DatasetError, load_dataset
 from .generator import CATEGORIES, Dataset, generate, scale_history
 
 BATCH = 500
 K = 10
+DEFAULT_SCALE = "1000,10000,100000"
 
 
 def embedder_dtype(embedder) -> str:
@@ -85,7 +87,7 @@ def import_conversations(data: Dataset, store, engine, config, tenant: str) -> t
 def _dense(data: Dataset, ids: dict[str, list[int]], embedder) -> list[list[int]]:
     """Plain cosine of the question against every raw turn of its conversation."""
     by_conv = {c.id: c for c in data.conversations}
-    vecs = {cid: embedder.embed([t.text for t in c.turns]) for cid, c in by_conv.items()}
+    vecs = {cid: embedder.embed([t.seen for t in c.turns]) for cid, c in by_conv.items()}
     qv = embedder.embed([q.text for q in data.questions])
     out = []
     for q, v in zip(data.questions, qv, strict=True):
@@ -136,7 +138,8 @@ def evaluate(data: Dataset, store, engine, config, embedder, tenant: str = "benc
 
     result = summary(rows["all"])
     del result["questions"]
-    result["by_category"] = {c: summary(rows[c]) for c in CATEGORIES if rows[c]}
+    cats = [c for c in CATEGORIES if rows[c]] + sorted(set(rows) - set(CATEGORIES) - {"all"})
+    result["by_category"] = {c: summary(rows[c]) for c in cats}
     n_msgs = sum(len(v) for v in ids.values())
     result |= {"questions": len(data.questions), "conversations": len(data.conversations), "messages": n_msgs,
                "import_msgs_per_s": n_msgs / spent if spent else None}
@@ -199,17 +202,27 @@ def run(args: argparse.Namespace, engine, embedder, data_dir: Path) -> dict:
     config = Config(data_dir=data_dir, db_url=args.db_url, dtype=args.dtype, device="cpu")
     store = MemoryStore(config, embedder=embedder)
     t0 = time.perf_counter()
-    lo, hi = (int(x) for x in args.turns.split(","))
-    data = generate(args.seed, args.conversations, args.sessions, (lo, hi))
+    skipped = 0
+    dataset = getattr(args, "dataset", None)
+    if dataset:
+        data, skipped = load_dataset(dataset)
+        if not data.questions:
+            raise DatasetError(f"{dataset}: no question with evidence in its conversations")
+    else:
+        lo, hi = (int(x) for x in args.turns.split(","))
+        data = generate(args.seed, args.conversations, args.sessions, (lo, hi))
     print(f"{len(data.conversations)} conversations, {sum(len(c.turns) for c in data.conversations)} turns, "
-          f"{len(data.questions)} questions", file=sys.stderr)
+          f"{len(data.questions)} questions" + (f" ({skipped} skipped: evidence names no turn)" if skipped else ""),
+          file=sys.stderr)
     result = evaluate(data, store, engine, config, embedder)
-    sizes = [] if args.no_scale else [int(x) for x in args.scale.split(",") if x]
+    scale = args.scale if args.scale is not None else ("" if dataset else DEFAULT_SCALE)
+    sizes = [] if args.no_scale else [int(x) for x in scale.split(",") if x]
     result["scale"], result["ingest_msgs_per_s"] = [], result["import_msgs_per_s"]
     if sizes:
         result["scale"], result["ingest_msgs_per_s"] = measure_scale(sizes, store, engine, config, args.seed + 1,
                                                                      args.scale_queries)
-    result |= {"seconds": time.perf_counter() - t0, "seed": args.seed, "k": K, "batch": BATCH,
+    result |= {"dataset": str(dataset) if dataset else "generated", "skipped_questions": skipped,
+               "seconds": time.perf_counter() - t0, "seed": args.seed, "k": K, "batch": BATCH,
                "cpu_flags": cpu_flags(), "threads": _threads(), "dtype": str(engine.dtype).removeprefix("torch."),
                "embedder": f"all-MiniLM-L6-v2 ({embedder_dtype(embedder)})", "db": store.archive.url.split(":", 1)[0]}
     store.close()
@@ -229,12 +242,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--conversations", type=int, default=8, help="conversations (one user each)")
     ap.add_argument("--sessions", type=int, default=None, help="sessions per conversation (default 10-25)")
     ap.add_argument("--turns", default="20,60", help="turns per session, min,max")
-    ap.add_argument("--scale", default="1000,10000,100000", help="message counts for the one-user latency test")
+    ap.add_argument("--dataset", default=None,
+                    help="a JSON file of conversations and evidence-annotated questions instead of the generator "
+                         "(agentmem's layout or LoCoMo-style; recall_bench/dataset.py)")
+    ap.add_argument("--scale", default=None,
+                    help=f"message counts for the one-user latency test (default {DEFAULT_SCALE}; none with --dataset)")
     ap.add_argument("--scale-queries", type=int, default=30)
     ap.add_argument("--no-scale", action="store_true", help="skip the latency test")
     ap.add_argument("--db-url", default=None, help="archive database (default: SQLite in a temporary folder)")
     ap.add_argument("--dtype", default="float32", help="the engine's dtype (context() counts tokens with it)")
     args = ap.parse_args(argv)
+    if args.dataset:  # a bad file fails here, before the model loads
+        try:
+            load_dataset(args.dataset)
+        except DatasetError as e:
+            print(f"agentmem bench recall: {e}", file=sys.stderr)
+            return 2
 
     import torch
 

@@ -60,6 +60,12 @@ class Turn:
     speaker: str
     text: str  # as a chat export carries it, image captions inline
     created_at: datetime
+    caption: str | None = None  # a shared picture's caption apart from the text (data sets read from files)
+
+    @property
+    def seen(self) -> str:
+        """The text with its caption, as a reader (and the plain-cosine peer) sees the turn."""
+        return f"{self.text} [image: {self.caption}]" if self.caption else self.text
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,10 @@ class Conversation:
         out: list[list[dict]] = [[] for _ in self.session_dates]
         for t in self.turns:
             role = "user" if t.speaker == self.speakers[0] else "assistant"
-            out[t.session].append({"role": role, "content": t.text, "created_at": t.created_at, "name": t.speaker})
+            msg = {"role": role, "content": t.text, "created_at": t.created_at, "name": t.speaker}
+            if t.caption:
+                msg["caption"] = t.caption
+            out[t.session].append(msg)
         return out
 
 
