@@ -25,6 +25,7 @@ from .tiers.records import CoreBlock, Hit, Message, own_reply
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this, a hit that only embeddings found is noise, not memory
+KEYS_CHARS = 300  # of a recalled message's captions and attachment text, shown after it
 # A turn asks recall for the notes it may show and half as many again, for repeats and weak
 # matches, leaving out the assistant's own replies (found by search, never shown: in bench
 # memory's 8-fact workload ten replies saying "a good way to spend the day" had left "Which
@@ -88,7 +89,8 @@ def memory_line(hit: Hit, compressed: bool = False) -> str:
         text = unprefixed(text, hit.name)  # "Caroline said: ..." once, not "Caroline said: "Caroline: ...""
         who = f"{hit.name} said" if hit.name else "you said" if hit.role == "assistant" else "I said"
         context = f" ({hit.context})" if hit.context else ""  # the turn a short reply answers, or a question's answer
-        return f'- {hit.time:%Y-%m-%d} {who}: "{text}"{context}\n'
+        shown = f" [attachment: {' '.join(hit.keys.split())[:KEYS_CHARS]}]" if hit.keys else ""  # a photo's caption
+        return f'- {hit.time:%Y-%m-%d} {who}: "{text}"{shown}{context}\n'
     return f"- {hit.time:%Y-%m-%d} {hit.kind}: {text}\n"
 
 

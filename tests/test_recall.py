@@ -644,3 +644,34 @@ def test_dense_ranking_discounts_what_many_of_the_users_turns_share(tmp_path):
     x = np.random.default_rng(1).normal(size=(5, 384)).astype(np.float32)
     p = _project(x, x.mean(axis=0), top)
     assert np.allclose(p @ top.T, 0, atol=1e-5) and np.allclose(np.linalg.norm(p, axis=1), 1, atol=1e-5)
+
+
+def test_a_photo_whose_caption_holds_the_fact_is_found_and_shown_with_it(store):
+    """"look at her 😭" says nothing by itself: its caption is what it says. The dense text view
+    and the priors (information, specificity) read the caption, and the prompt line shows it; a
+    message without one is unchanged."""
+    sid = store.open_session("default", "alice").id
+    talk = SMALL_TALK * 4 + [("Priya", "My neighbour's dog barked all night again", 0),
+                             ("Tom", "Do you prefer cats or dogs?", 0), ("Priya", "Dogs, always", 0)]
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "name": who, "content": text,
+             "created_at": T0 + timedelta(minutes=i)} for i, (who, text, _) in enumerate(talk)]
+    msgs += [{"role": "assistant", "name": "Tom", "content": "look at her 😭",
+              "caption": "a photo of a small grey kitten sleeping curled up on a knitted blanket",
+              "created_at": T0 + timedelta(days=1)},
+             {"role": "user", "name": "Priya", "content": "omg", "created_at": T0 + timedelta(days=1, minutes=1)}]
+    ids = {m.text: m.id for m in store.add_messages("default", "alice", sid, msgs)}
+    photo = ids["look at her 😭"]
+    for retrievers in (("dense",), None):
+        hits = store.search("default", "alice", "What kind of pet did Tom adopt?", k=3, retrievers=retrievers)
+        assert hits[0].id == photo, [h.text for h in hits]
+    hit = hits[0]
+    assert hit.keys.startswith("a photo of a small grey kitten")
+    from agentmem.assemble import memory_line
+    from agentmem.reflect import hot_segments
+
+    line = memory_line(hit)
+    assert 'Tom said: "look at her 😭" [attachment: a photo of a small grey kitten' in line
+    store.record_turn("default", "alice", hit.session_id, {"memories_used": [{"ref": hit.ref}]})
+    assert [seg.text for seg in hot_segments(store, "default", "alice", 1)] == [line]
+    plain = next(h for h in store.search("default", "alice", "weather awful", k=5) if h.text.endswith("awful"))
+    assert plain.keys is None and "[attachment:" not in memory_line(plain)

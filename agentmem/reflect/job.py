@@ -329,7 +329,8 @@ def _hit(item: Memory | Message, chunk: int = 0, context: str | None = None) -> 
         pieces = chunk_text(item.text)
         compressed = item.compressed_text if len(pieces) == 1 else None
         return Hit(item.id, "message", pieces[chunk], 0.0, 0.0, item.time, [item.id], item.role,
-                   item.session_id, 0.5, chunk, compressed, name=item.name, context=context)  # as recall builds it
+                   item.session_id, 0.5, chunk, compressed, name=item.name, context=context,
+                   keys=item.keys if chunk == 0 else None)  # as recall builds it
     return Hit(item.id, item.kind, item.text, 0.0, 0.0, item.time, list(item.source_ids),
                importance=item.importance, compressed_text=item.compressed_text)
 

@@ -55,11 +55,18 @@ def attachment_text(message: dict, what: str = "message") -> str:
     return " ".join(" ".join(out).split())
 
 
+def with_keys(text: str, keys: str | None) -> str:
+    """What a message says, its captions and attachment text included: "look what followed me
+    home" says nothing without "a photo of a cello leaning against a wall". The dense text view
+    embeds it and the priors (information, specificity) read it."""
+    return f"{text}\n{keys}" if keys else text
+
+
 def context_view(text: str, previous: str | None, keys: str | None) -> str:
     """The second dense view of a message: the start of the turn it answers, then the message
     (with its captions). A session's first message has one too (its own text), so that every
     message gets the same number of votes in the fusion."""
-    own = f"{text}\n{keys}" if keys else text
+    own = with_keys(text, keys)
     if not previous:
         return own
     return f"{' '.join(previous.split())[:PREVIOUS_CHARS]}\n{own}"

@@ -52,7 +52,7 @@ import numpy as np
 
 from .archive import Archive
 from .byte_lru import ByteLRU
-from .keys import context_view, unprefixed
+from .keys import context_view, unprefixed, with_keys
 from .query import ParsedQuery, content_terms, information, parse_query, words
 from .records import Hit, Memory, Message, MessageMeta, own_reply
 from .specific import TermStats, topical
@@ -127,8 +127,8 @@ _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT, _VIEW_SENTENCE = 0, 1, 2
 SENTENCE_MIN_WORDS = 16  # a turn this long with two sentences or more gets a vector per sentence too
 _SENTENCE = re.compile(r"(?<=[.!?…])\s+(?=\S)|\n+")
-_INDEX_VERSION = 9  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics;
-# 9: no numerals among them (specific.topical)
+_INDEX_VERSION = 10  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics;
+# 9: no numerals among them (specific.topical); 10: captions in the text view and the priors (keys.with_keys)
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
                     r"saturday|sunday|january|february|march|april|june|july|august|september|october|november|"
                     r"december|\d{4}|\d{1,2}(?:st|nd|rd|th))\b", re.I)
@@ -163,7 +163,7 @@ def _message_pieces(m: Message, previous: str | None) -> list[tuple[str, tuple[i
     """(text, piece) for each vector the dense index holds of a message; a piece is
     (kind, row id, chunk, view)."""
     chunks = chunk_text(unprefixed(m.text, m.name))
-    out = [(c, (_MESSAGE, m.id, i, _VIEW_TEXT)) for i, c in enumerate(chunks)]
+    out = [(with_keys(c, m.keys) if i == 0 else c, (_MESSAGE, m.id, i, _VIEW_TEXT)) for i, c in enumerate(chunks)]
     out += [(t, (_MESSAGE, m.id, i, _VIEW_SENTENCE)) for i, t in enumerate(sentences(chunks[0]))]
     out.append((context_view(chunks[0], previous, m.keys), (_MESSAGE, m.id, 0, _VIEW_CONTEXT)))
     return out
@@ -273,9 +273,10 @@ class UserIndex:
         self.recent = self.recent[bisect.bisect_right(self.recent, self.top_id - LOOKBACK_IDS):]
         names = {p for s in self.speakers for p in words(s)}
         for m in messages:
-            self.info[m.id] = information(m.text, names)
-            self.terms.add(m.id, topical(content_terms(m.text, names)))
-            if _only_asks(m.text):
+            said = with_keys(m.text, m.keys)
+            self.info[m.id] = information(said, names)
+            self.terms.add(m.id, topical(content_terms(said, names)))
+            if _only_asks(m.text) and not m.keys:  # a question with a photo shows something
                 self.asks.add(m.id)
 
 
@@ -993,7 +994,7 @@ class Recall:
             sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
         return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
                    0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name,
-                   context=near.get(msg.id))
+                   context=near.get(msg.id), keys=msg.keys if chunk == 0 else None)
 
 
 def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery, specific: dict[int, float]) -> float:

@@ -67,7 +67,7 @@ class Message(_Record):
     event_time: datetime | None = None
     compressed_text: str | None = None  # LLMLingua-compressed, written once by reflection
     name: str | None = None  # the speaker, when the conversation names them
-    keys: str | None = None  # what the full-text index reads besides the text (never shown)
+    keys: str | None = None  # captions and attachment text it carries: indexed, and shown after the text
 
     @property
     def time(self) -> datetime:
@@ -174,6 +174,9 @@ class Hit(_Record):
     # a short reply's question, or a question's reply: the neighbour turn that makes it make
     # sense ("The cello!" after "What did you end up buying?"), as 'asked by NAME: "..."' text
     context: str | None = None
+    # a message's captions and attachment text (`Message.keys`): the fact an "ok look 😍" with a
+    # photo states is in its caption, so the prompt shows it after the text
+    keys: str | None = None
 
     @property
     def ref(self) -> str:
