@@ -371,6 +371,24 @@ def test_no_time_where_there_is_none(question):
     assert parse_time(question, NOW) is None
 
 
+@pytest.mark.parametrize("question, window", [
+    ("What food can Jun not eat because of an allergy?", None),
+    ("Which novel did Jun recommend?", None),
+    ("What did April cook for August?", None),
+    ("What did Jun do in June 2023?", "June 2023"),
+    ("What did Jun do in Jun?", "Jun"),
+    ("What did April bake in April?", "April"),
+    ("Where was Jun in early June?", "early June"),
+    ("What did Rosa cook in June?", "June"),
+])
+def test_a_speaker_named_like_a_month_is_a_person_unless_a_date_is_around_it(question, window):
+    """A month word that is also a speaker's name ("Jun", "April", "June", "August") names a
+    month only as "may" the verb does: after a preposition, with a year or early/mid/late."""
+    pq = parse_query(question, ["Rosa", "Jun", "April", "August"], NOW)
+    assert (pq.window.phrase if pq.window else None) == window
+    assert parse_time(question, NOW) is not None  # without the names, each reads as a month
+
+
 def test_lazy_index_and_hard_time_filters(store):
     sid = store.open_session("default", "bob").id
     store.add_messages("default", "bob", sid, [

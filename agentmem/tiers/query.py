@@ -89,7 +89,8 @@ def parse_query(text: str, speakers: list[str] | None = None, now: datetime | No
     lowered = {w for w in words(text)} | {w[:-2] for w in words(text) if w.endswith("'s")}
     people, said = named_speakers(lowered, speakers or [])
     drop = {p for s in said for p in words(s)}
-    window = parse_time(text, now) if now is not None else None
+    known = {w for s in speakers or [] for w in words(s)}
+    window = parse_time(text, now, known) if now is not None else None
     return ParsedQuery(text, content_terms(text, drop), people, window, bool(_WHEN.search(text)),
                        mask_names(text, said), parse_anchor(text) if window is None else None)
 

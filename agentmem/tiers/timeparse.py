@@ -162,8 +162,11 @@ def warm_up() -> None:
     _warming.start()
 
 
-def parse_time(text: str, now: datetime) -> TimeWindow | None:
-    """The first time expression in `text`, as a window relative to `now`; None if there is none."""
+def parse_time(text: str, now: datetime, names: frozenset[str] | set[str] = frozenset()) -> TimeWindow | None:
+    """The first time expression in `text`, as a window relative to `now`; None if there is none.
+    `names`: lower-case words of people's names ("jun", "april", "june"): such a month word is a
+    month only with a date around it ("in June", "June 2023", "early April"), as "may" the verb is;
+    "What can Jun not eat?" names no time."""
     if now.tzinfo is None:
         now = now.replace(tzinfo=UTC)
     today = _day(now)
@@ -215,6 +218,8 @@ def parse_time(text: str, now: datetime) -> TimeWindow | None:
         name = m.group(2).lower()
         if name == "may" and not (m.group(3) or m.group(1) or _MAY_MONTH.search(low)):
             continue  # "may" the verb
+        if name.rstrip(".") in names and not (m.group(3) or m.group(1) or _AFTER_PREP.search(text[:m.start(2)])):
+            continue  # a person: "What can Jun not eat?"
         written = m.group(2)
         if written.islower() and not (m.group(3) or m.group(1) or _AFTER_PREP.search(text[:m.start(2)])):
             continue  # "march on", "the mar": in lower case with no date around it, a word
