@@ -693,3 +693,17 @@ def test_a_photo_whose_caption_holds_the_fact_is_found_and_shown_with_it(store):
     assert [seg.text for seg in hot_segments(store, "default", "alice", 1)] == [line]
     plain = next(h for h in store.search("default", "alice", "weather awful", k=5) if h.text.endswith("awful"))
     assert plain.keys is None and "[attachment:" not in memory_line(plain)
+
+
+@pytest.mark.parametrize("question, people, dense", [
+    ("What will Tom bring?", ["Tom"], "What will someone bring?"),
+    ("What did Will bring?", ["Will"], "What did someone bring?"),
+    ("Where will Will live?", ["Will"], "Where will someone live?"),
+    ("What is Will's job?", ["Will"], "What is someone's job?"),
+    ("what did will bring", [], "what did will bring"),
+])
+def test_a_speaker_named_like_a_function_word_is_named_only_as_written(question, people, dense):
+    """"Will" is a speaker; "will" is a verb: a speaker whose name is also a stop word is named
+    (boosted, masked in the embedded question) only where the question capitalises it."""
+    pq = parse_query(question, ["Tom", "Will"], NOW)
+    assert pq.people == people and pq.dense_text == dense

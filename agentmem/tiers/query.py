@@ -87,6 +87,8 @@ def parse_query(text: str, speakers: list[str] | None = None, now: datetime | No
     """Read `text` against this user's known speakers and the conversation's own 'now'
     (the newest message time), so that "last week" means the week before that."""
     lowered = {w for w in words(text)} | {w[:-2] for w in words(text) if w.endswith("'s")}
+    # a name that is also a function word ("Will", "May") names someone only as written so
+    lowered -= {w for w in lowered & STOP_WORDS if not re.search(rf"\b{w.capitalize()}\b", text)}
     people, said = named_speakers(lowered, speakers or [])
     drop = {p for s in said for p in words(s)}
     known = {w for s in speakers or [] for w in words(s)}
@@ -121,6 +123,7 @@ def mask_names(text: str, names: list[str]) -> str:
     "Hi Yasmin!" first. Who is asked about is weighed apart (a speaker boost)."""
     for name in sorted(names, key=len, reverse=True):
         pat = r"\b" + r"\s+".join(re.escape(p) for p in name.split()) + r"\b"
-        text = re.sub(pat + r"['’]s\b", "someone's", text, flags=re.I)
-        text = re.sub(pat, "someone", text, flags=re.I)
+        flags = 0 if name.lower() in STOP_WORDS else re.I  # "Will", not "will"
+        text = re.sub(pat + r"['’]s\b", "someone's", text, flags=flags)
+        text = re.sub(pat, "someone", text, flags=flags)
     return text
