@@ -201,6 +201,10 @@ def test_locomo_style_layout_loads(tmp_path):
     ('{"conversations": [{"id": "A", "sessions": [{"date": "yesterday-ish", "turns": []}]}]}', "unreadable date"),
     ('{"conversations": [{"id": "A", "sessions": [{"date": "2023-01-01", "turns": [{"speaker": "A", "text": " "}]}]}]}',
      "text must be a non-empty string"),
+    ('{"conversations": [], "questions": [{"conversation": "A", "question": "q", "evidence": [["1", 2]]}]}',
+     "is not a \\[session, turn\\] pair"),
+    ('{"conversations": [], "questions": [{"conversation": "A", "question": "q", "evidence": "D1:3"}]}',
+     "a list of \\[session, turn\\] pairs"),
 ])
 def test_bad_dataset_files_say_what_is_wrong(tmp_path, content, needle):
     from agentmem.recall_bench.dataset import DatasetError, load_dataset

@@ -113,9 +113,11 @@ def _own(raw: dict, p: Path) -> tuple[Dataset, int]:
         index[cid] = where
     questions, skipped = [], 0
     for i, q in enumerate(raw.get("questions") or []):
+        if not isinstance(q, dict):
+            raise DatasetError(f"{p}: questions[{i}] must be an object")
+        pairs = _pairs(q.get("evidence"), f"{p}: questions[{i}].evidence")
         where = index.get(str(q.get("conversation")))
-        ev = [where.get((int(e[0]), int(e[1]))) for e in q.get("evidence") or []
-              if isinstance(e, list | tuple) and len(e) == 2] if where is not None else []
+        ev = [where.get(pair) for pair in pairs] if where is not None else []
         if not ev or None in ev:
             skipped += 1
             continue
@@ -123,6 +125,21 @@ def _own(raw: dict, p: Path) -> tuple[Dataset, int]:
                                   _text(q.get("question"), f"{p}: questions[{i}].question"), str(q.get("answer", "")),
                                   tuple(sorted(set(ev)))))
     return Dataset(convs, questions), skipped
+
+
+def _pairs(evidence, where: str) -> list[tuple[int, int]]:
+    """[session, turn] pairs as integers (none given: none, and the question is skipped);
+    anything else is a DatasetError."""
+    if evidence is None:
+        return []
+    if not isinstance(evidence, list):
+        raise DatasetError(f"{where}: a list of [session, turn] pairs, got {evidence!r}")
+    out = []
+    for e in evidence:
+        if not (isinstance(e, list | tuple) and len(e) == 2 and all(isinstance(x, int) for x in e)):
+            raise DatasetError(f"{where}: {e!r} is not a [session, turn] pair of integers")
+        out.append((e[0], e[1]))
+    return out
 
 
 def _locomo(raw: list, p: Path) -> tuple[Dataset, int]:
