@@ -168,6 +168,24 @@ def test_own_layout_loads_turns_dates_captions_and_evidence(tmp_path):
     assert "caption" not in msgs[0][0] and msgs[1][0]["role"] == "assistant"
 
 
+def test_a_speaker_called_assistant_is_the_assistants_own_replies(tmp_path):
+    import json
+
+    from agentmem.recall_bench.dataset import load_dataset
+
+    doc = {"conversations": [{"id": "E", "speakers": ["Hana", "assistant"], "sessions": [
+        {"date": "2023-03-02T21:10:00", "turns": [
+            {"speaker": "Hana", "text": "I'm lactose intolerant, so no cream sauces please"},
+            {"speaker": "assistant", "text": "Noted! Here are three dairy-free pasta sauces."}]}]}],
+        "questions": []}
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps(doc))
+    (conv,) = load_dataset(path)[0].conversations
+    hana, reply = conv.sessions()[0]
+    assert hana["role"] == "user" and hana["name"] == "Hana"
+    assert reply["role"] == "assistant" and "name" not in reply
+
+
 def test_locomo_style_layout_loads(tmp_path):
     import json
 

@@ -85,11 +85,16 @@ class Conversation:
     turns: list[Turn]
 
     def sessions(self) -> list[list[dict]]:
-        """Messages per session for `add_messages`: first speaker as "user", with `name`."""
+        """Messages per session for `add_messages`: first speaker as "user", with `name`. A
+        speaker called "assistant" (a data set of a person talking to their assistant) is the
+        assistant's own replies: that role with no name, as `AgentSession.chat` stores them."""
         out: list[list[dict]] = [[] for _ in self.session_dates]
         for t in self.turns:
             role = "user" if t.speaker == self.speakers[0] else "assistant"
             msg = {"role": role, "content": t.text, "created_at": t.created_at, "name": t.speaker}
+            if t.speaker.lower() == "assistant":
+                msg["role"] = "assistant"
+                del msg["name"]
             if t.caption:
                 msg["caption"] = t.caption
             out[t.session].append(msg)
