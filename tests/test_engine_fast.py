@@ -107,6 +107,19 @@ def test_the_auto_choice_is_measured_once_and_remembered(tmp_path):
     assert fastest("fp32", (256, 64), tmp_path) == entry["weights"]
 
 
+def test_the_auto_choice_does_not_time_the_same_prefill_product_twice(tmp_path):
+    """With the AVX512-BF16 kernels int8's many rows multiply a bf16 copy of the dequantized
+    weight, bf16's own product: only decode decides (a noisy 512-row timing once chose bf16)."""
+    if cpu_gemv.loaded() is None:
+        pytest.skip("the AVX512-BF16 kernels are not loaded here")
+    choice = fastest("bf16", (256, 64), tmp_path)
+    ((key, entry),) = json.loads((tmp_path / "weights-choice.json").read_text()).items()
+    assert key.endswith("|int8 rows on a bf16 copy")
+    assert entry["rows_512_us"]["int8"] == entry["rows_512_us"]["bf16"]
+    decode = entry["one_row_us"]
+    assert choice == ("int8" if decode["int8"] < decode["bf16"] else "bf16")
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_many_bf16_rows_multiply_widened_to_fp32_alike(fmt):
     """rows_math fp32 (widened for sgemm) gives the bf16 product of many rows within bf16's

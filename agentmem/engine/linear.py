@@ -272,12 +272,17 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{simd_flags()}|{kernels}"
     if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
         key += f"|rows {rows_math}"
-    # int8's many rows multiply an fp32 copy of the dequantized weight on the AVX2 route
-    # (`Proj._avx2`): the same product as fp32's, so timing both would only compare noise (on a
-    # noisy 2-core VM, 32 against 40 ms, which once chose fp32 at 2.1x slower decode)
-    same_rows = own == "fp32" and cpu_avx2.loaded() is not None
+    # int8's many rows multiply a dense copy of the dequantized weight wherever the kernels take
+    # its few rows: fp32 on the AVX2 route (`Proj._avx2`), bf16 through oneDNN (or widened, as
+    # rows_math says) with the AVX512-BF16 kernels (`Proj.multiply`). That is the same product as
+    # the dense format's, so timing both would only compare noise: on a noisy 2-core VM, 32
+    # against 40 ms once chose fp32 at 2.1x slower decode (session 30), and 7.7 against 6.5 ms
+    # chose bf16 at 0.56x int8's decode on a Zen 4 VM (session 33)
+    kernel_shape = shape[0] % cpu_gemv.BLOCK == 0 and shape[1] % 2 == 0
+    same_rows = kernel_shape and ((own == "fp32" and cpu_avx2.loaded() is not None)
+                                  or (own == "bf16" and cpu_gemv.loaded() is not None))
     if same_rows:
-        key += "|int8 rows on an fp32 copy"
+        key += f"|int8 rows on {'an' if own == 'fp32' else 'a'} {own} copy"
 
     def measure() -> dict:
         times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
