@@ -278,9 +278,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     # the dense format's, so timing both would only compare noise: on a noisy 2-core VM, 32
     # against 40 ms once chose fp32 at 2.1x slower decode (session 30), and 7.7 against 6.5 ms
     # chose bf16 at 0.56x int8's decode on a Zen 4 VM (session 33)
-    kernel_shape = shape[0] % cpu_gemv.BLOCK == 0 and shape[1] % 2 == 0
-    same_rows = kernel_shape and ((own == "fp32" and cpu_avx2.loaded() is not None)
-                                  or (own == "bf16" and cpu_gemv.loaded() is not None))
+    same_rows = cpu_gemv.fits_shape(shape) and ((own == "fp32" and cpu_avx2.loaded() is not None)
+                                                or (own == "bf16" and cpu_gemv.loaded() is not None))
     if same_rows:
         key += f"|int8 rows on {'an' if own == 'fp32' else 'a'} {own} copy"
 

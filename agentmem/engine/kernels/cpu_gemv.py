@@ -1651,10 +1651,15 @@ def loaded() -> ctypes.CDLL | None:
     return _lib
 
 
+def fits_shape(shape: tuple[int, ...]) -> bool:
+    """Whether the kernels' layout takes a weight of this shape: [out, in] with out % 32 == 0
+    and in even."""
+    return len(shape) == 2 and shape[0] % BLOCK == 0 and shape[1] % 2 == 0
+
+
 def fits(w: torch.Tensor) -> bool:
-    """Whether the kernels' layout takes a weight of this shape (CPU, [out, in] with out % 32
-    == 0 and in even), whatever its dtype."""
-    return w.device.type == "cpu" and w.dim() == 2 and w.shape[0] % BLOCK == 0 and w.shape[1] % 2 == 0
+    """Whether the kernels' layout takes this weight (on the CPU, `fits_shape`), whatever its dtype."""
+    return w.device.type == "cpu" and fits_shape(tuple(w.shape))
 
 
 def usable(w: torch.Tensor) -> bool:
