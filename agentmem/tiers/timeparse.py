@@ -218,11 +218,9 @@ def parse_time(text: str, now: datetime, names: frozenset[str] | set[str] = froz
         name = m.group(2).lower()
         if name == "may" and not (m.group(3) or m.group(1) or _MAY_MONTH.search(low)):
             continue  # "may" the verb
-        if name.rstrip(".") in names and not (m.group(3) or m.group(1) or _AFTER_PREP.search(text[:m.start(2)])):
-            continue  # a person: "What can Jun not eat?"
-        written = m.group(2)
-        if written.islower() and not (m.group(3) or m.group(1) or _AFTER_PREP.search(text[:m.start(2)])):
-            continue  # "march on", "the mar": in lower case with no date around it, a word
+        dated = m.group(3) or m.group(1) or _AFTER_PREP.search(text[:m.start(2)])
+        if not dated and (m.group(2).islower() or name.rstrip(".") in names):
+            continue  # "march on", "the mar" in lower case; a person, "What can Jun not eat?": no date around it
         month = _MONTHS[name.rstrip(".")]
         year = int(m.group(3)) if m.group(3) else today.year - (month > today.month)
         return TimeWindow(*_month_span(year, month, m.group(1)), m.group(0).strip())
