@@ -195,7 +195,10 @@ def cpu_flags() -> list[str]:
     return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "neon"})
 
 
-def run(args: argparse.Namespace, engine, embedder, data_dir: Path) -> dict:
+def run(args: argparse.Namespace, engine, embedder, data_dir: Path,
+        loaded: tuple[Dataset, int] | None = None) -> dict:
+    """The benchmark on `args.dataset` (`loaded`: that file as `load_dataset` read it) or the
+    generator, and the scale test; the JSON's fields."""
     from ..config import Config
     from ..tiers import MemoryStore
 
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace, engine, embedder, data_dir: Path) -> dict:
     skipped = 0
     dataset = getattr(args, "dataset", None)
     if dataset:
-        data, skipped = load_dataset(dataset)
+        data, skipped = loaded or load_dataset(dataset)
         if not data.questions:
             raise DatasetError(f"{dataset}: no question with evidence in its conversations")
     else:
@@ -252,9 +255,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--db-url", default=None, help="archive database (default: SQLite in a temporary folder)")
     ap.add_argument("--dtype", default="float32", help="the engine's dtype (context() counts tokens with it)")
     args = ap.parse_args(argv)
+    loaded = None
     if args.dataset:  # a bad file fails here, before the model loads
         try:
-            load_dataset(args.dataset)
+            loaded = load_dataset(args.dataset)
         except DatasetError as e:
             print(f"agentmem bench recall: {e}", file=sys.stderr)
             return 2
@@ -270,7 +274,7 @@ def main(argv: list[str]) -> int:
     engine = Engine.load(Config(dtype=args.dtype, device="cpu"))
     embedder = load_embedder()
     with tempfile.TemporaryDirectory(prefix="agentmem-recall-", ignore_cleanup_errors=True) as tmp:
-        result = run(args, engine, embedder, Path(tmp))
+        result = run(args, engine, embedder, Path(tmp), loaded)
     if args.json:
         print(json.dumps(result))
     else:
