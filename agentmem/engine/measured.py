@@ -96,3 +96,20 @@ def best_seconds(fn: Callable[[], object], repeats: int, per: int = 1) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best / per
+
+
+def best_seconds_each(fns: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> dict[str, float]:
+    """`best_seconds` of each candidate, timed in turns (one call of each, `repeats` rounds), so
+    that a burst of load from a neighbour on a shared host slows every candidate alike. Timed
+    one after another instead, a 2-core Xeon VM (session 34, bf16 products swinging 970-2,500
+    GFLOP/s from one second to the next) ranked the int8 routes backwards: u8 238 us, i16 142,
+    against 199 and 222 for the same products taken in turns."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: t / per for name, t in best.items()}

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ..measured import best_seconds, cpu_flags, remembered, simd_flags
+from ..measured import best_seconds_each, cpu_flags, remembered, simd_flags
 
 log = logging.getLogger("agentmem.engine")
 
@@ -1629,12 +1629,11 @@ def choose_q8(cache_dir: Path | str) -> str:
         q = [torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) for _ in range(copies)]
         scale = torch.full((n,), 1e-3)
         rows = {m: torch.randn(m, k, generator=g).to(torch.bfloat16) for m in (1, 8)}
-        times = {}
-        for r in Q8_ROUTES:
-            packed = [pack_u8(w) if r == "u8" else pack(w) for w in q]
-            times[r] = sum(best_seconds(lambda x=x, r=r, packed=packed: [
-                gemv(_lib, p, x, scale=scale, i16=r == "i16") for p in packed], 4, copies) for x in rows.values())
-            del packed
+        packed = {r: [pack_u8(w) if r == "u8" else pack(w) for w in q] for r in Q8_ROUTES}
+        runs = {(r, m): (lambda x=x, r=r: [gemv(_lib, p, x, scale=scale, i16=r == "i16") for p in packed[r]])
+                for r in Q8_ROUTES for m, x in rows.items()}
+        each = best_seconds_each(runs, 6, copies)
+        times = {r: sum(t for (r_, _m), t in each.items() if r_ == r) for r in Q8_ROUTES}
         return {"route": pick_q8(times), "us": {r: round(t * 1e6, 1) for r, t in times.items()}}
 
     q8_route = remembered(cache_dir, "gemv-choice.json", key, measure)["route"]
@@ -2065,7 +2064,7 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
                 rows_attention_amx(_lib, q[s:s + chunk], k[:s + chunk], v[:s + chunk], pos[s:s + chunk])
 
         runs = (("kernel", kernel), ("fp32", widened), ("bf16", bf16)) + ((("amx", amx),) if amx_usable(_lib) else ())
-        times = {name: best_seconds(fn, 3) for name, fn in runs}
+        times = best_seconds_each(dict(runs), 3)
         return {"route": min(times, key=times.get), "ms": {k_: round(t * 1e3, 2) for k_, t in times.items()}}
 
     route = remembered(cache_dir, "attention-choice.json", key, measure)["route"]
