@@ -707,3 +707,77 @@ def test_a_speaker_named_like_a_function_word_is_named_only_as_written(question,
     (boosted, masked in the embedded question) only where the question capitalises it."""
     pq = parse_query(question, ["Tom", "Will"], NOW)
     assert pq.people == people and pq.dense_text == dense
+
+
+def _neighbour_ids_in_scope(store):
+    """`Archive.neighbour_ids`: one query for many (message, step) pairs, each the turn just
+    before or after in its own session, never another user's or tenant's row in between."""
+    ids = _conversation(store, sessions=[[("Priya", "one", 0), ("Tom", "two", 0), ("Priya", "three", 0)],
+                                         [("Priya", "four", 1), ("Tom", "five", 1)]])
+    # rows of another user and another tenant, interleaved in id order with alice's
+    sid = store.open_session("default", "bob").id
+    store.add_messages("default", "bob", sid, [{"role": "user", "content": "bob's turn"}])
+    _conversation(store, tenant="other", sessions=[[("Priya", "elsewhere", 0)]])  # the same user id, another tenant
+    later = _conversation(store, sessions=[[("Priya", "six", 2), ("Tom", "seven", 2)]])
+    a = store.archive
+    meta = a.message_meta("default", "alice", [*ids.values(), *later.values()])
+    want = [(ids[t], meta[ids[t]].session_id, st) for t in ("one", "two", "three", "four", "five") for st in (-1, 1)]
+    want += [(later["six"], meta[later["six"]].session_id, -1), (later["six"], meta[later["six"]].session_id, 1)]
+    got = a.neighbour_ids("default", "alice", want)
+    assert got == {(ids["one"], 1): ids["two"], (ids["two"], -1): ids["one"], (ids["two"], 1): ids["three"],
+                   (ids["three"], -1): ids["two"], (ids["four"], 1): ids["five"], (ids["five"], -1): ids["four"],
+                   (later["six"], 1): later["seven"]}
+    assert a.neighbour_ids("default", "bob", want) == {}  # bob has no row in alice's sessions
+    near = a.neighbours("default", "alice", [(ids["two"], meta[ids["two"]].session_id, 1)])
+    assert near[ids["two"]].text == "three"
+
+
+def test_neighbour_ids_sqlite(store):
+    _neighbour_ids_in_scope(store)
+
+
+def test_neighbour_ids_postgresql(tmp_path, embedder, pg_url):
+    s = MemoryStore(Config(data_dir=tmp_path, db_url=pg_url), embedder=embedder)
+    try:
+        _neighbour_ids_in_scope(s)
+    finally:
+        s.close()
+
+
+ANSWERED = [("Kwame", "speaking of Dele, he finally went and got what he always wanted. look at this idiot", 0),
+            ("Kwame", "this is Biscuit. she's slept on my side of the sofa every single day since she arrived", 0)]
+
+
+def test_the_turn_beside_a_top_hit_is_lent_its_support(store, monkeypatch):
+    """Evidence over two turns: "who owns Biscuit?" finds "this is Biscuit ..." but the turn
+    before it says whose dog she is and shares no word with the question. The head of the
+    ranking lends its neighbours support; a turn found only that way says so."""
+    from agentmem.tiers import recall
+
+    filler = [("Ines", f"Clinic was busy, saw patient number {i} before lunch", 0) if i % 2 else
+              ("Kwame", f"Long day at the studio, mixed track {i} of the album twice", 0) for i in range(30)]
+    dogs = [("Ines", "a terrier chased my bike down the street this morning", 0),
+            ("Kwame", "the terrier next door barked at the postman for an hour", 0)]
+    ids = _conversation(store, sessions=[filler + dogs + [("Ines", "how is the flat?", 0)] + ANSWERED + filler[:10]])
+    owner, biscuit = ids[ANSWERED[0][1]], ids[ANSWERED[1][1]]
+    q = "Who owns Biscuit the terrier?"
+
+    def scores(**kw):
+        return {h.id: h.score for h in store.search("default", "alice", q, k=40, **kw)}
+
+    on = scores()
+    monkeypatch.setattr(recall, "NEIGHBOUR_SUPPORT", 0.0)
+    off = scores()
+    monkeypatch.setattr(recall, "NEIGHBOUR_SUPPORT", 0.15)
+    assert biscuit in sorted(off, key=off.get)[-3:]
+    assert 0 < on[owner] - off[owner] <= 0.15 * max(on.values()) + 1e-9
+    # with few candidates per retriever the owner turn is none of theirs: only its neighbour finds it
+    monkeypatch.setattr(recall, "DEPTH", 2)
+    hits = store.search("default", "alice", q, k=10)
+    assert next(h for h in hits if h.id == owner).retrievers == ["neighbour"]
+    # the support obeys what the search excludes: the working context's turns, hard time filters,
+    # a single retriever asked for alone
+    assert owner not in [h.id for h in store.search("default", "alice", q, k=5, exclude_messages=[owner])]
+    lex = store.search("default", "alice", q, k=10, retrievers=("lexical",))
+    assert owner not in [h.id for h in lex] and all("neighbour" not in h.retrievers for h in lex)
+    assert store.search("default", "alice", q, k=10, until=T0 - timedelta(days=1)) == []

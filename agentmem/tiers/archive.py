@@ -116,6 +116,10 @@ def _migration_lock(engine) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# scalar subqueries a neighbour query carries (SQLite allows 1,000 result columns by default;
+# each takes 5 bound parameters, under SQLite's 32,766)
+NEIGHBOUR_BATCH = 200
+
 class Archive:
     def __init__(self, url: str, sync: str = "normal"):
         """`sync`: SQLite's synchronous mode, "normal" or "full" (power-loss durable)."""
@@ -457,20 +461,35 @@ class Archive:
         near = self.neighbours(tenant_id, user_id, [(before, sid, -1) for sid, before in first.items()])
         return {sid: near[before] for sid, before in first.items() if before in near}
 
+    def neighbour_ids(self, tenant_id: str, user_id: str, wanted: Iterable[tuple[int, str, int]]
+                      ) -> dict[tuple[int, int], int]:
+        """For each (message id, session id, step): the id of the message just before it in its
+        session (step -1) or just after it (step +1), keyed (message id, step); one query for
+        all of them (a scalar subquery each, on the (session, id) index)."""
+        wanted = list(dict.fromkeys(wanted))
+        out: dict[tuple[int, int], int] = {}
+        for i in range(0, len(wanted), NEIGHBOUR_BATCH):
+            part = wanted[i:i + NEIGHBOUR_BATCH]
+            cols = []
+            for mid, session_id, step in part:
+                scope = (MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                         MessageRow.session_id == session_id)
+                cols.append((select(func.max(MessageRow.id)).where(*scope, MessageRow.id < mid) if step < 0
+                             else select(func.min(MessageRow.id)).where(*scope, MessageRow.id > mid))
+                            .correlate(None).scalar_subquery().label(f"n{len(cols)}"))
+            with self.tx() as s:
+                row = s.execute(select(*cols)).one()
+            out |= {(mid, step): int(n) for (mid, _sid, step), n in zip(part, row, strict=True) if n is not None}
+        return out
+
     def neighbours(self, tenant_id: str, user_id: str, wanted: Iterable[tuple[int, str, int]]) -> dict[int, R.Message]:
         """For each (message id, session id, step): the message just before it in its session
-        (step -1: the turn it answers) or just after it (step +1: the turn that answers it)."""
-        out = {}
-        with self.tx() as s:
-            for mid, session_id, step in wanted:
-                q = select(MessageRow).where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
-                                             MessageRow.session_id == session_id)
-                q = (q.where(MessageRow.id < mid).order_by(MessageRow.id.desc()) if step < 0
-                     else q.where(MessageRow.id > mid).order_by(MessageRow.id))
-                row = s.scalars(q.limit(1)).first()
-                if row is not None:
-                    out[mid] = _message(row)
-        return out
+        (step -1: the turn it answers) or just after it (step +1: the turn that answers it).
+        Two queries whatever the count (`neighbour_ids`, then the rows)."""
+        wanted = list(wanted)
+        near = self.neighbour_ids(tenant_id, user_id, wanted)
+        rows = {m.id: m for m in self.messages(tenant_id, user_id, ids=sorted(set(near.values())))} if near else {}
+        return {mid: rows[n] for (mid, _step), n in near.items() if n in rows}
 
     def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
                        exclude: Iterable[int] = (), since: datetime | None = None,

@@ -68,12 +68,13 @@ LOOPED_WEIGHT = 0.5  # a reply the loop detector cut (archive.looped_replies) is
 RETRIEVERS = ("dense", "context", "lexical", "facts")
 # "time" / "person": the dense and full-text search inside the question's time window / over
 # the turns of the people it names
-_LABELS = (*RETRIEVERS, "time", "person")
+_LABELS = (*RETRIEVERS, "time", "person", "neighbour")
 RRF_K = 10
 # a fact is distilled and checked by reflection: its one dense vote weighs more than a turn's
 # (the context view weighs as much as the text view since the `person` vote: measured on
 # generated seeds 1 and 2, 276 questions, 0.8 -> 1.0 gave +0.01 recall@10)
-WEIGHTS = {"dense": 1.0, "context": 1.0, "lexical": 1.0, "facts": 1.5, "time": 1.0, "person": 1.0}
+WEIGHTS = {"dense": 1.0, "context": 1.0, "lexical": 1.0, "facts": 1.5, "time": 1.0, "person": 1.0,
+           "neighbour": 0.0}  # a turn found only through its neighbour's rank: no vote of its own
 # a turn that only asks ("Read anything good lately?") answers nothing itself; its answer is found
 # by the answer's own context view. 0.75 until session 31; dev seeds 1 / 2 (recall@10, bf16
 # MiniLM): 0.75 0.817 / 0.763, 0.5 0.823 / 0.763, 0.3 0.823 / 0.770, 0.15 and 0.05 0.823 / 0.768
@@ -89,6 +90,13 @@ MENTION_BOOST = 1.1  # a turn that names them
 WHEN_BOOST = 1.15  # a "when" question, and a turn that dates something
 NEIGHBOUR_WORDS = 12  # a recalled turn this short comes with the turn it answers
 NEIGHBOUR_CHARS = 200  # of that neighbour turn, at most
+# A turn at the head of the ranking (the first NEIGHBOUR_HEAD x k) lends this share of its score
+# to the turns just before and after it in its session (`_neighbour_support`). Hand-written set
+# (6 conversations, 174 questions, recall@10): 0 0.863, 0.1 0.874, 0.15 0.877, 0.2 0.874, 0.3
+# 0.867, 0.5 0.853; with 0.2, a head of 1 x k 0.871, 2 x 0.874, 4 x 0.874. Generator dev seeds
+# 1 / 2 (session 34): 0.823 / 0.770 -> 0.823 / 0.765 at 0.15 (one which-person question).
+NEIGHBOUR_SUPPORT = 0.15
+NEIGHBOUR_HEAD = 2
 SESSION_DECAY = 0.85  # each further hit from one session counts this much less
 # A hit whose words (letters only: repeats differ in their numbers) mostly repeat those of a
 # hit already taken ("Working from home today, still in pyjamas at 7pm" / "... at 5pm") adds
@@ -741,7 +749,8 @@ class Recall:
                     c.ranks["lexical"], c.lexical_share = rank, share
         if not cands:
             return []
-        return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now, brief, own_replies)
+        return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now, brief, own_replies,
+                          exclude if fused and not brief else None)
 
     def _dense(self, ui: UserIndex, qvec: np.ndarray, use: set[str], exclude: frozenset, cands: dict,
                since: datetime | None, until: datetime | None, who: frozenset[int] | None = None) -> None:
@@ -893,7 +902,11 @@ class Recall:
         return out
 
     def _rank(self, tenant_id: str, user_id: str, ui: UserIndex, qvec, pq: ParsedQuery, cands: dict,
-              k: int, since, until, now: datetime, brief: bool = False, own_replies: bool = True) -> list[Hit]:
+              k: int, since, until, now: datetime, brief: bool = False, own_replies: bool = True,
+              lend: frozenset | None = None) -> list[Hit]:
+        """`lend`: the messages that may not be hits (search's `exclude`) where the head of the
+        ranking lends its neighbours support (`_neighbour_support`); None: no support (a single
+        retriever asked for alone, or the search for a question's dating event)."""
         mem_ids = [c.row_id for c in cands.values() if c.kind == _MEMORY]
         mems = self.archive.memories_by_id(tenant_id, user_id, mem_ids) if mem_ids else {}
         # a fact that matches counts for the messages it rests on
@@ -946,6 +959,12 @@ class Recall:
             c.score = score
             scored.append((c, row))
         scored.sort(key=lambda cr: -cr[0].score)
+        if lend is not None and NEIGHBOUR_SUPPORT:
+            def allowed(row: MessageMeta) -> bool:
+                return (row.id not in lend and (since is None or row.time >= since) and (until is None or row.time <= until)
+                        and (own_replies or not own_reply(row.role, row.name)))
+
+            scored = self._neighbour_support(tenant_id, user_id, ui, cands, scored, k, specific, allowed)
         # texts only for the head of the ranking (the per-session decay and the text boosts
         # below can reorder it, never lift something from far down)
         head = scored[: 4 * k]
@@ -968,6 +987,39 @@ class Recall:
             self.archive, tenant_id, user_id,
             [texts[c.row_id] for c, _ in picked if c.kind == _MESSAGE and c.row_id in texts])
         return [self._hit(ui, c, row, texts, mems, qvec, near) for c, row in picked]
+
+    def _neighbour_support(self, tenant_id: str, user_id: str, ui: UserIndex, cands: dict, scored: list,
+                           k: int, specific: dict[int, float], allowed: Callable[[MessageMeta], bool]) -> list:
+        """Each turn at the head of the ranking lends NEIGHBOUR_SUPPORT of its score to the turns
+        just before and after it in its session, weighed by their own text prior; a neighbour not
+        among the candidates joins them. Evidence people mark in a conversation runs over
+        adjacent turns ("did my present arrive?" / "it did!!! the tile coasters!", one thought
+        split over two messages), and the second turn often shares no word with the question."""
+        head = [(c, row) for c, row in scored[: NEIGHBOUR_HEAD * k] if c.kind == _MESSAGE]
+        near = self.archive.neighbour_ids(tenant_id, user_id, [(row.id, row.session_id, step)
+                                                               for _c, row in head for step in (-1, 1)])
+        lent: dict[int, float] = {}
+        for c, row in head:
+            for step in (-1, 1):
+                if (n := near.get((row.id, step))) is not None:
+                    lent[n] = max(lent.get(n, 0.0), NEIGHBOUR_SUPPORT * c.score)
+        if not lent:
+            return scored
+        by_id = {c.row_id: c for c, _row in scored if c.kind == _MESSAGE}
+        new = [n for n in lent if n not in by_id]
+        meta = self.archive.message_meta(tenant_id, user_id, new) if new else {}
+        specific = specific | (ui.terms.weights(list(meta)) if meta else {})
+        out = list(scored)
+        for n, support in lent.items():
+            if n in by_id:
+                by_id[n].score += support * _text_prior(ui, n, specific)
+            elif (row := meta.get(n)) is not None and allowed(row):
+                c = cands.setdefault((_MESSAGE, n), _Cand(_MESSAGE, n))
+                c.ranks.setdefault("neighbour", 0)
+                c.score = support * _text_prior(ui, n, specific)
+                out.append((c, row))
+        out.sort(key=lambda cr: -cr[0].score)
+        return out
 
     def _looped(self, tenant_id: str, user_id: str, ui: UserIndex) -> set[int]:
         """Replies the loop detector cut, kept per user and topped up from the turns recorded

@@ -169,7 +169,7 @@ class Hit(_Record):
     importance: float = 0.5
     chunk: int = 0  # which piece of a message too long to embed whole
     compressed_text: str | None = None  # a memory's compressed form, what the prompt shows
-    retrievers: list[str] = field(default_factory=list)  # which retrievers found it: dense, context, lexical, facts, time (the search inside the time the query names)
+    retrievers: list[str] = field(default_factory=list)  # which retrievers found it: dense, context, lexical, facts, time (the search inside the time the query names), person, neighbour (only the turn beside a top hit)
     name: str | None = None  # a message's speaker, when known
     # a short reply's question, or a question's reply: the neighbour turn that makes it make
     # sense ("The cello!" after "What did you end up buying?"), as 'asked by NAME: "..."' text
