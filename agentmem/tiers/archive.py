@@ -464,22 +464,29 @@ class Archive:
     def neighbour_ids(self, tenant_id: str, user_id: str, wanted: Iterable[tuple[int, str, int]]
                       ) -> dict[tuple[int, int], int]:
         """For each (message id, session id, step): the id of the message just before it in its
-        session (step -1) or just after it (step +1), keyed (message id, step); one query for
-        all of them (a scalar subquery each, on the (session, id) index)."""
+        session (step -1) or just after it (step +1), keyed (message id, step); one statement for
+        all of them, a scalar subquery each that walks the index from the message and stops at
+        the first row of its session (ORDER BY .. LIMIT 1: SQLite's max() with a WHERE read every
+        earlier row). Written as SQL text: SQLAlchemy compiling 40 subqueries took 6 ms against
+        their 2.5 to run (10,000 messages, SQLite)."""
         wanted = list(dict.fromkeys(wanted))
         out: dict[tuple[int, int], int] = {}
+        table = MessageRow.__tablename__
         for i in range(0, len(wanted), NEIGHBOUR_BATCH):
             part = wanted[i:i + NEIGHBOUR_BATCH]
-            cols = []
-            for mid, session_id, step in part:
-                scope = (MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
-                         MessageRow.session_id == session_id)
-                cols.append((select(func.max(MessageRow.id)).where(*scope, MessageRow.id < mid) if step < 0
-                             else select(func.min(MessageRow.id)).where(*scope, MessageRow.id > mid))
-                            .correlate(None).scalar_subquery().label(f"n{len(cols)}"))
+            params: dict[str, object] = {"t": tenant_id, "u": user_id}
+            arms = []
+            for j, (mid, session_id, step) in enumerate(part):
+                params[f"s{j}"], params[f"m{j}"] = session_id, int(mid)
+                op, order = ("<", "DESC") if step < 0 else (">", "ASC")
+                arms.append(f"SELECT {j} AS j, (SELECT id FROM {table} WHERE tenant_id = :t AND user_id = :u"
+                            f" AND session_id = :s{j} AND id {op} :m{j} ORDER BY id {order} LIMIT 1) AS n")
             with self.tx() as s:
-                row = s.execute(select(*cols)).one()
-            out |= {(mid, step): int(n) for (mid, _sid, step), n in zip(part, row, strict=True) if n is not None}
+                rows = s.execute(text(" UNION ALL ".join(arms)), params).all()
+            for j, n in rows:
+                if n is not None:
+                    mid, _sid, step = part[j]
+                    out[(mid, step)] = int(n)
         return out
 
     def neighbours(self, tenant_id: str, user_id: str, wanted: Iterable[tuple[int, str, int]]) -> dict[int, R.Message]:
