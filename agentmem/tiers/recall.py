@@ -929,7 +929,16 @@ class Recall:
             msg_cands = msg_cands[:META_CANDIDATES]
         meta = self.archive.message_meta(tenant_id, user_id, [c.row_id for c in msg_cands])
         mention = [p.lower() for p in pq.people]
-        looped = self._looped(tenant_id, user_id, ui) if any(m.role == "assistant" for m in meta.values()) else set()
+        looped: set[int] | None = None  # read at the first own reply met
+
+        def reply_weight(row: MessageMeta) -> float:
+            """The model's own reply is weaker evidence, one the loop detector cut weaker still."""
+            nonlocal looped
+            if not own_reply(row.role, row.name):
+                return 1.0
+            if looped is None:
+                looped = self._looped(tenant_id, user_id, ui)
+            return ASSISTANT_WEIGHT * (LOOPED_WEIGHT if row.id in looped else 1.0)
         scored = []
         for c in cands.values():
             row = meta.get(c.row_id) if c.kind == _MESSAGE else mems.get(c.row_id)
@@ -948,8 +957,7 @@ class Recall:
                 score *= 1 - IMPORTANCE_WEIGHT + IMPORTANCE_WEIGHT * row.importance
             else:
                 score *= _text_prior(ui, row.id, specific)
-                if own_reply(row.role, row.name):
-                    score *= ASSISTANT_WEIGHT * (LOOPED_WEIGHT if row.id in looped else 1.0)
+                score *= reply_weight(row)
             if pq.window is not None:
                 score *= _window_factor(pq.window, when.timestamp())
             if mention and isinstance(row, MessageMeta) and row.name and row.name.lower() in mention:
@@ -964,7 +972,8 @@ class Recall:
                 return (row.id not in lend and (since is None or row.time >= since) and (until is None or row.time <= until)
                         and (own_replies or not own_reply(row.role, row.name)))
 
-            scored = self._neighbour_support(tenant_id, user_id, ui, cands, scored, k, specific, allowed)
+            scored = self._neighbour_support(tenant_id, user_id, ui, cands, scored, k, specific, allowed,
+                                             reply_weight)
         # texts only for the head of the ranking (the per-session decay and the text boosts
         # below can reorder it, never lift something from far down)
         head = scored[: 4 * k]
@@ -989,7 +998,8 @@ class Recall:
         return [self._hit(ui, c, row, texts, mems, qvec, near) for c, row in picked]
 
     def _neighbour_support(self, tenant_id: str, user_id: str, ui: UserIndex, cands: dict, scored: list,
-                           k: int, specific: dict[int, float], allowed: Callable[[MessageMeta], bool]) -> list:
+                           k: int, specific: dict[int, float], allowed: Callable[[MessageMeta], bool],
+                           reply_weight: Callable[[MessageMeta], float]) -> list:
         """Each turn at the head of the ranking lends NEIGHBOUR_SUPPORT of its score to the turns
         just before and after it in its session, weighed by their own text prior; a neighbour not
         among the candidates joins them. Evidence people mark in a conversation runs over
@@ -1010,13 +1020,15 @@ class Recall:
         meta = self.archive.message_meta(tenant_id, user_id, new) if new else {}
         specific = specific | (ui.terms.weights(list(meta)) if meta else {})
         out = list(scored)
+        rows = {c.row_id: row for c, row in scored if c.kind == _MESSAGE}
         for n, support in lent.items():
+            # weighed as the turn's own evidence is: its text, and whether it is the model's own reply
             if n in by_id:
-                by_id[n].score += support * _text_prior(ui, n, specific)
+                by_id[n].score += support * _text_prior(ui, n, specific) * reply_weight(rows[n])
             elif (row := meta.get(n)) is not None and allowed(row):
                 c = cands.setdefault((_MESSAGE, n), _Cand(_MESSAGE, n))
                 c.ranks.setdefault("neighbour", 0)
-                c.score = support * _text_prior(ui, n, specific)
+                c.score = support * _text_prior(ui, n, specific) * reply_weight(row)
                 out.append((c, row))
         out.sort(key=lambda cr: -cr[0].score)
         return out
