@@ -89,13 +89,7 @@ def remembered(cache_dir: Path | str, name: str, key: str, measure: Callable[[],
 
 def best_seconds(fn: Callable[[], object], repeats: int, per: int = 1) -> float:
     """The best of `repeats` wall-clock timings of `fn()` (after one warm-up call), divided by `per`."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best / per
+    return best_seconds_each({"": fn}, repeats, per)[""]
 
 
 def best_seconds_each(fns: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> dict[str, float]:

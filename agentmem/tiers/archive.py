@@ -116,9 +116,10 @@ def _migration_lock(engine) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-# scalar subqueries a neighbour query carries (SQLite allows 1,000 result columns by default;
-# each takes 5 bound parameters, under SQLite's 32,766)
+# arms of one neighbour statement's UNION ALL (SQLite allows 500 by default; each arm binds 2
+# parameters, far under its 32,766)
 NEIGHBOUR_BATCH = 200
+
 
 class Archive:
     def __init__(self, url: str, sync: str = "normal"):
@@ -493,7 +494,6 @@ class Archive:
         """For each (message id, session id, step): the message just before it in its session
         (step -1: the turn it answers) or just after it (step +1: the turn that answers it).
         Two queries whatever the count (`neighbour_ids`, then the rows)."""
-        wanted = list(wanted)
         near = self.neighbour_ids(tenant_id, user_id, wanted)
         rows = {m.id: m for m in self.messages(tenant_id, user_id, ids=sorted(set(near.values())))} if near else {}
         return {mid: rows[n] for (mid, _step), n in near.items() if n in rows}

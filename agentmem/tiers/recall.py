@@ -939,16 +939,20 @@ class Recall:
             if looped is None:
                 looped = self._looped(tenant_id, user_id, ui)
             return ASSISTANT_WEIGHT * (LOOPED_WEIGHT if row.id in looped else 1.0)
+
+        def admitted(row: MessageMeta | Memory) -> bool:
+            """Inside the search's hard time filters, and not the model's own reply where those are left out."""
+            return ((since is None or row.time >= since) and (until is None or row.time <= until)
+                    and (own_replies or not isinstance(row, MessageMeta) or not own_reply(row.role, row.name)))
+
         scored = []
         for c in cands.values():
             row = meta.get(c.row_id) if c.kind == _MESSAGE else mems.get(c.row_id)
             if row is None or (isinstance(row, Memory) and row.status != "active"):
                 continue
+            if not admitted(row):
+                continue
             when = row.time
-            if (since is not None and when < since) or (until is not None and when > until):
-                continue
-            if not own_replies and isinstance(row, MessageMeta) and own_reply(row.role, row.name):
-                continue
             if mention and isinstance(row, Memory) and "facts" in c.ranks and any(p in row.text.lower() for p in mention):
                 c.ranks["person"] = c.ranks["facts"]  # a fact about the person asked about: their vote too
             score = _fused_score(c)
@@ -969,8 +973,7 @@ class Recall:
         scored.sort(key=lambda cr: -cr[0].score)
         if lend is not None and NEIGHBOUR_SUPPORT:
             def allowed(row: MessageMeta) -> bool:
-                return (row.id not in lend and (since is None or row.time >= since) and (until is None or row.time <= until)
-                        and (own_replies or not own_reply(row.role, row.name)))
+                return row.id not in lend and admitted(row)
 
             scored = self._neighbour_support(tenant_id, user_id, ui, cands, scored, k, specific, allowed,
                                              reply_weight)
@@ -1015,16 +1018,16 @@ class Recall:
                     lent[n] = max(lent.get(n, 0.0), NEIGHBOUR_SUPPORT * c.score)
         if not lent:
             return scored
-        by_id = {c.row_id: c for c, _row in scored if c.kind == _MESSAGE}
+        by_id = {c.row_id: (c, row) for c, row in scored if c.kind == _MESSAGE}
         new = [n for n in lent if n not in by_id]
         meta = self.archive.message_meta(tenant_id, user_id, new) if new else {}
         specific = specific | (ui.terms.weights(list(meta)) if meta else {})
         out = list(scored)
-        rows = {c.row_id: row for c, row in scored if c.kind == _MESSAGE}
         for n, support in lent.items():
             # weighed as the turn's own evidence is: its text, and whether it is the model's own reply
             if n in by_id:
-                by_id[n].score += support * _text_prior(ui, n, specific) * reply_weight(rows[n])
+                c, row = by_id[n]
+                c.score += support * _text_prior(ui, n, specific) * reply_weight(row)
             elif (row := meta.get(n)) is not None and allowed(row):
                 c = cands.setdefault((_MESSAGE, n), _Cand(_MESSAGE, n))
                 c.ranks.setdefault("neighbour", 0)
