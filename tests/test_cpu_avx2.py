@@ -167,3 +167,82 @@ def test_place_k_rotates_fp32_chunks_with_the_kernel_into_the_blend(lib, monkeyp
     assert calls == [1, 1, 1]  # one call a layer with the library, none without
     with pytest.raises(ValueError, match="rope_into"):
         cpu_avx2.rope_into(lib, k[0], *model.rotary.cos_sin(positions), torch.zeros(50, 3, 64).bfloat16())
+
+
+def test_silu_mul_matches_torch(lib):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(9)
+    gu = torch.randn(40, 2 * 1540, generator=g) * 6  # rows past 16 (shared by threads), a width not of 8
+    gu[0, :8] = torch.tensor([-200.0, -88.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 200.0])  # past exp's range
+    gate, up = gu.chunk(2, dim=-1)
+    y = cpu_avx2.silu_mul(lib, gu)
+    assert y.shape == (40, 1540) and torch.allclose(y, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(y).all()
+    with pytest.raises(ValueError):
+        cpu_avx2.silu_mul(lib, gu.bfloat16())
+
+
+@pytest.mark.parametrize("lens,bias", [([5, 17, 9], False), ([12], False), ([3, 30, 8, 1, 22, 14], True)])
+def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch, lens, bias):
+    """Decode rows of different lengths, each with its keys scattered over a paged pool: the whole
+    layer as one call (`cpu_avx2.layer_q8`: 1 row, 3, and 6 in a 4-row tile and a ragged one, with
+    Qwen2's q/k/v biases and an o bias) writes the same K/V into the pool and returns the same
+    bits as the separate calls (Proj's kernel, RMSNorm, RoPE, the write, `decode_attention`)."""
+    from types import SimpleNamespace
+
+    from agentmem.engine import model as M
+    from agentmem.engine.layers import Rotary
+
+    monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: the projections take this kernel
+    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=208, head_dim=32,
+                       qkv_bias=bias, o_bias=bias)
+    torch.manual_seed(len(lens))
+    block = M.Block(args, 1)
+    if bias:
+        for lin in (block.q_proj, block.k_proj, block.v_proj, block.o_proj):
+            torch.nn.init.normal_(lin.bias)
+    block.fuse()
+    block.pack("int8")
+    assert block.o_p.q8_route == "avx2"
+    g = torch.Generator().manual_seed(len(lens))
+    k0, v0 = (torch.randn(2, 128, 2, 32, generator=g) for _ in range(2))  # [layers, slots, KV, hd]
+    perm = torch.randperm(128, generator=g)
+    rows_slots, at = [], 0
+    for n in lens:
+        rows_slots.append(perm[at:at + n].tolist())
+        at += n
+    width = max(lens)
+    idx = torch.tensor([s + s[:1] * (width - len(s)) for s in rows_slots]).flatten().contiguous()
+    keep = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in rows_slots], dtype=torch.uint8)
+    slots = torch.tensor([s[-1] for s in rows_slots])
+    h, pos = torch.randn(len(lens), 128, generator=g), torch.tensor([n - 1 for n in lens])
+    rotary = Rotary(32, 10000.0, 512)
+    fused_pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+
+    def fused_attn(i, q, k_raw, k_rot, v):
+        raise AssertionError("the fused layer attends itself")
+
+    fused_attn.decode_pool = (fused_pool, slots, idx, keep)
+    calls = []
+    real = cpu_avx2.layer_q8
+    monkeypatch.setattr(cpu_avx2, "layer_q8", lambda *a: calls.append(1) or real(*a))
+    fused = block(h, pos, rotary, fused_attn)
+    pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+
+    def attn(i, q, k_raw, k_rot, v):
+        pool.k[i].index_copy_(0, slots, k_rot)
+        pool.v[i].index_copy_(0, slots, v)
+        return cpu_avx2.decode_attention(lib, q, pool.k[i], pool.v[i], idx, keep)
+
+    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    separate = block(h, pos, rotary, attn)
+    assert calls == [1] and torch.equal(fused, separate)
+    assert torch.equal(fused_pool.k, pool.k) and torch.equal(fused_pool.v, pool.v)
+    assert not torch.equal(pool.k, k0)  # the rows' keys were written
+    # and the layer is what the dense fp32 weights compute, to int8's precision
+    monkeypatch.setattr(cpu_avx2, "_lib", None)
+    block.pack("fp32")
+    pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+    dense = block(h, pos, rotary, attn)
+    assert (dense - fused).abs().max() < 0.05 * dense.abs().max()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cpu_gemv
+from .kernels import cpu_avx2, cpu_gemv
 from .layers import AttnBackend, RMSNorm, Rotary
 from .linear import Proj
 
@@ -142,6 +142,10 @@ class Block(nn.Module):
             # one C call, bit-identical (Zen 4 VM, 2 threads: 2,048 rows 0.95 against 2.14 ms, 320 rows
             # 0.14 against 0.25, 8 rows 0.010 against 0.013; one row is faster through torch)
             return h + self.down_p(cpu_gemv.silu_mul(lib, gu))
+        if (gu.dtype == torch.float32 and gu.device.type == "cpu" and gu.dim() == 2 and gu.stride(1) == 1
+                and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
+            # fp32 rows on an AVX2 CPU: the bits `cpu_avx2.layer_q8` computes (decode rows there)
+            return h + self.down_p(cpu_avx2.silu_mul(lib, gu))
         gate, up = gu.chunk(2, dim=-1)
         return h + self.down_p(F.silu(gate) * up)
 
@@ -155,6 +159,15 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         a = self.args
         qk_end = a.n_heads + a.n_kv_heads
+        if (h.dtype == torch.float32 and h.shape[0] <= cpu_avx2.MAX_ROWS and FUSED_DECODE
+                and (paged := getattr(attn, "decode_pool", None)) is not None
+                and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
+            # fp32 decode rows on the AVX2 int8 route: the whole layer in one C call
+            cos_sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
+            pool, slots, idx, keep = paged
+            out = cpu_avx2.layer_q8(lib, self, h, *cos_sin, pool.k[self.idx], pool.v[self.idx], slots, idx, keep)
+            if out is not None:
+                return out
         if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and FUSED_DECODE and self.q_norm is None
                 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
             cos, sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)

@@ -103,8 +103,9 @@ class ModelRunner:
                 def kernel_attn(i, q, kernels=kernels, lib=lib, keep=keep):
                     return kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
 
-                if kernels is cpu_gemv:  # bf16: a layer of decode rows may run whole in C (Block.forward)
-                    kernel_attn.paged = (idx_t, keep)
+                # a layer of decode rows may run whole in C (Block.forward: `layer_q8u8` on bf16 rows,
+                # `cpu_avx2.layer_q8` on fp32 ones)
+                kernel_attn.paged = (idx_t, keep)
                 return kernel_attn
 
         def attn(i: int, q: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,10 @@ static void quantize(const float *xr, int64_t K, int16_t *q, float *xs) {
 }
 
 /* `mb` (1-4) int16 rows of a 16-output group (wg: [K/2][16][2] int8) into y (fp32):
-   y = sum * s[n] * xs[i] (+ b[n]). */
+   y = sum * s[n] * xs[i] (+ b[n]) (+ r[i, n]: a residual, rows N apart like y's). */
 static inline __attribute__((always_inline)) void tile(const int8_t *wg, int64_t K, const int16_t *x, const int mb,
                                                        float *y, int64_t N, int64_t n, const float *s,
-                                                       const float *xs, const float *b) {
+                                                       const float *xs, const float *b, const float *r) {
     __m256 f[4][2];
     for (int i = 0; i < mb; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += I16_CHUNK) {
@@ -108,13 +108,39 @@ static inline __attribute__((always_inline)) void tile(const int8_t *wg, int64_t
         }
     }
     for (int i = 0; i < mb; i++) {
-        const __m256 r = _mm256_set1_ps(xs[i]);
+        const __m256 sc = _mm256_set1_ps(xs[i]);
         for (int h = 0; h < 2; h++) {
-            __m256 v = _mm256_mul_ps(f[i][h], _mm256_mul_ps(_mm256_loadu_ps(s + n + 8 * h), r));
+            __m256 v = _mm256_mul_ps(f[i][h], _mm256_mul_ps(_mm256_loadu_ps(s + n + 8 * h), sc));
             if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + n + 8 * h));
+            if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i * N + n + 8 * h));
             _mm256_storeu_ps(y + i * N + n + 8 * h, v);
         }
     }
+}
+
+/* Every row of 16-output group g: the rows 4 at a time. */
+static void group(const int8_t *w, const float *scale, const int16_t *xq, const float *xs, float *y,
+                  const float *b, const float *r, int64_t M, int64_t N, int64_t K, int64_t g) {
+    const int8_t *wg = w + g * 16 * K;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int16_t *xm = xq + m0 * K;
+        float *ym = y + m0 * N;
+        const float *rm = r ? r + m0 * N : NULL;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+            case 4: tile(wg, K, xm, 4, ym, N, g * 16, scale, xs + m0, b, rm); break;
+            case 3: tile(wg, K, xm, 3, ym, N, g * 16, scale, xs + m0, b, rm); break;
+            case 2: tile(wg, K, xm, 2, ym, N, g * 16, scale, xs + m0, b, rm); break;
+            default: tile(wg, K, xm, 1, ym, N, g * 16, scale, xs + m0, b, rm); break;
+        }
+    }
+}
+
+/* For the calling team: y = x q^T * scale (+ b) (+ r) of rows xq already quantized (xs their steps);
+   the threads split the 16-output groups. */
+static void team_groups(const int8_t *w, const float *scale, const int16_t *xq, const float *xs, float *y,
+                        const float *b, const float *r, int64_t M, int64_t N, int64_t K) {
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) group(w, scale, xq, xs, y, b, r, M, N, K, g);
 }
 
 /* y[m, n] = sum_k x[m, k] * q[n, k] * scale[n] (+ b[n]) for fp32 x [M, K] (rows ldx apart),
@@ -126,21 +152,8 @@ void agentmem_avx2_gemv_q8(const int8_t *w, const float *scale, const float *x, 
     int16_t *xq = M * K <= STACK ? stack : (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
     float xs[M > 0 ? M : 1];
     for (int64_t m = 0; m < M; m++) quantize(x + m * ldx, K, xq + m * K, xs + m);
-    const int64_t groups = N / 16;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *wg = w + g * 16 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int16_t *xm = xq + m0 * K;
-            float *ym = y + m0 * N;
-            switch (M - m0 < 4 ? M - m0 : 4) {
-                case 4: tile(wg, K, xm, 4, ym, N, g * 16, scale, xs + m0, b); break;
-                case 3: tile(wg, K, xm, 3, ym, N, g * 16, scale, xs + m0, b); break;
-                case 2: tile(wg, K, xm, 2, ym, N, g * 16, scale, xs + m0, b); break;
-                default: tile(wg, K, xm, 1, ym, N, g * 16, scale, xs + m0, b); break;
-            }
-        }
-    }
+    #pragma omp parallel num_threads(threads)
+    team_groups(w, scale, xq, xs, y, b, NULL, M, N, K);
     if (xq != stack) free(xq);
 }
 
@@ -307,9 +320,9 @@ static void scores_any(const float *kp, const int64_t *slot, int64_t ldv, int64_
    chunk's score maximum, its exp sum and its unnormalised V sum [hd] (sum 0: no key kept). The
    kept keys' slots are padded to a multiple of 8 with the last one, so every 8 keys are scored
    together; the padding's scores are set to -inf (exp 0) and the V sums stop at n. */
-static void da_item(const float *q, const float *kp, const float *vp, const int64_t *idx, const uint8_t *keep,
-                    int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd, int64_t W, float scale,
-                    float *part) {
+static void da_item(const float *q, int64_t ldq, const float *kp, const float *vp, const int64_t *idx,
+                    const uint8_t *keep, int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd,
+                    int64_t W, float scale, float *part) {
     const int64_t G = H / KV, lo = c * ch, hi = lo + ch < W ? lo + ch : W, ldv = KV * hd, ldp = hd + 2;
     const int64_t nd = hd / 8, lines = hd * 4 / 64 > 0 ? hd * 4 / 64 : 1;
     int64_t slot[DA_MAX + 8], n = 0;
@@ -327,7 +340,7 @@ static void da_item(const float *q, const float *kp, const float *vp, const int6
     for (int64_t kvh = 0; kvh < KV; kvh++)
         for (int64_t g0 = 0; g0 < G; g0 += hb) {
             const int64_t gb = G - g0 < hb ? G - g0 : hb, h0 = kvh * G + g0;
-            const float *qg = q + (b * H + h0) * hd;
+            const float *qg = q + b * ldq + h0 * hd;
             for (int64_t t0 = 0; t0 < n8; t0 += 8) {
                 if (g0 == 0)
                     for (int64_t j = t0 + 8; j < t0 + 16 && j < n; j++)  /* the next keys, while these are summed */
@@ -365,7 +378,8 @@ static void da_item(const float *q, const float *kp, const float *vp, const int6
 }
 
 /* out[b, h] from row b's nc chunk items: each chunk's sums rescaled to the row's maximum. */
-static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64_t b, int64_t h, float *out) {
+static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64_t b, int64_t h, float *out,
+                     int64_t ldo) {
     const int64_t ldp = hd + 2, nd = hd / 8;
     float w[nc + 1];
     da_weights(part, nc, H, ldp, b, h, w);
@@ -377,35 +391,137 @@ static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64
         const __m256 wv = _mm256_set1_ps(w[c]);
         for (int64_t d = 0; d < nd; d++) o[d] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p + 2 + 8 * d), o[d]);
     }
-    float *oh = out + (b * H + h) * hd;
+    float *oh = out + b * ldo + h * hd;
     for (int64_t d = 0; d < nd; d++) _mm256_storeu_ps(oh + 8 * d, o[d]);
+}
+
+/* For the calling team: the decode attention of B query rows (q: rows ldq apart, heads hd apart)
+   into out (rows ldo apart), chunks of ch keys, part: B * nc * H * (hd + 2) floats. */
+static void team_decode_attn(const float *q, int64_t ldq, const float *kp, const float *vp, const int64_t *idx,
+                             const uint8_t *keep, float *out, int64_t ldo, int64_t B, int64_t H, int64_t KV,
+                             int64_t hd, int64_t W, float scale, int64_t ch, float *part) {
+    const int64_t nc = (W + ch - 1) / ch;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < B * nc; it++)
+        da_item(q, ldq, kp, vp, idx, keep, it / nc, it % nc, ch, H, KV, hd, W, scale, part + it * H * (hd + 2));
+    #pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) da_merge(part, nc, H, hd, bh / H, bh % H, out, ldo);
+}
+
+static float *da_part(int64_t B, int64_t W, int64_t H, int64_t hd, int64_t ch) {
+    return (float *)malloc(sizeof(float) * (size_t)(B * ((W + ch - 1) / ch) * H * (hd + 2) + 1));
 }
 
 void agentmem_avx2_decode_attn_f32(const float *q, const float *kp, const float *vp, const int64_t *idx,
                                    const uint8_t *keep, float *out, int64_t B, int64_t H, int64_t KV, int64_t hd,
                                    int64_t W, float scale, int threads) {
     if (B <= 0) return;
-    const int64_t ch = da_chunk(B, W, threads), nc = (W + ch - 1) / ch;
-    float *part = (float *)malloc(sizeof(float) * (size_t)(B * nc * H * (hd + 2) + 1));
+    const int64_t ch = da_chunk(B, W, threads);
+    float *part = da_part(B, W, H, hd, ch);
+    #pragma omp parallel num_threads(threads)
+    team_decode_attn(q, H * hd, kp, vp, idx, keep, out, H * hd, B, H, KV, hd, W, scale, ch, part);
+    free(part);
+}
+
+/* silu(gate) * up of one row gu = [gate (I), up (I)] into y [I]: silu(x) = x * sigmoid(x),
+   sigmoid from t = e^-|x| (exp8 of a non-positive argument): 1 / (1 + t) for x >= 0, t / (1 + t)
+   below. */
+static void silu_mul_row(const float *gu, int64_t I, float *y) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gu + i);
+        const __m256 t = exp8(_mm256_or_ps(x, sign));  /* e^-|x| */
+        const __m256 num = _mm256_blendv_ps(one, t, x);  /* sign bit of x set: t */
+        const __m256 sg = _mm256_div_ps(num, _mm256_add_ps(one, t));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sg), _mm256_loadu_ps(gu + I + i)));
+    }
+    for (; i < I; i++) y[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
+}
+
+/* silu(g) * u of fp32 rows gu [N, 2I] (rows ld apart) into y [N, I]: `silu_mul_row` a row, rows
+   shared by the threads past 16 (Block.finish's fp32 rows, so that the fused layer below and the
+   separate calls compute the same bits). */
+void agentmem_avx2_silu_mul_f32(const float *gu, int64_t ld, float *y, int64_t N, int64_t I) {
+    #pragma omp parallel for if (N > 16) schedule(static)
+    for (int64_t n = 0; n < N; n++) silu_mul_row(gu + n * ld, I, y + n * I);
+}
+
+/* A whole decoder layer for M decode rows (one query each) of fp32 hidden states h [M, D], every
+   product int8 on this kernel (packed by cpu_gemv.pack, fp32 scales, optional fp32 biases of qkv
+   and o), in one call and one team of threads instead of about fifteen calls and five teams:
+     rows normed (nw1) and quantized; qkv = wqkv(.) (+ bqkv) [M, (H + 2 KV) hd];
+     q and k heads rotated (tables cs/sn [M, hd]) into qk; the row's rotated k and its v written
+       to this layer's pool (kp/vp [slots, KV, hd]) at wslot[m];
+     the decode attention of each row over its keys (idx/keep [M, W], as the call above);
+     h2 = h + o(attn) (+ bo); rows of h2 normed (nw2); gu = wgu(.); out = h2 + down(silu(gate) * up).
+   The same arithmetic as the separate calls (each step's rounding included), in another order
+   of threads only where the separate calls also split work. */
+void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const float *nw2, float eps,
+                            const int8_t *wqkv, const float *sqkv, const float *bqkv, const float *cs, const float *sn,
+                            float *kp, float *vp, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
+                            int64_t W, float scale, const int8_t *wo, const float *so, const float *bo,
+                            const int8_t *wgu, const float *sgu, const int8_t *wd, const float *sd, int64_t M,
+                            int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+    const int64_t QK = H + KV, NQKV = (QK + KV) * hd, HD = H * hd, row = KV * hd;
+    const int64_t K = D > HD ? (D > I ? D : I) : (HD > I ? HD : I);
+    int16_t *xq = (int16_t *)aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+    float *nx = (float *)malloc(sizeof(float) * (size_t)(M * D));
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(M * NQKV));
+    float *qk = (float *)malloc(sizeof(float) * (size_t)(M * QK * hd));
+    float *attn = (float *)malloc(sizeof(float) * (size_t)(M * HD));
+    float *h2 = (float *)malloc(sizeof(float) * (size_t)(M * D));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(M * 2 * I));
+    const int64_t ch = da_chunk(M, W, threads);
+    float *part = da_part(M, W, H, hd, ch);
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < B * nc; it++)
-            da_item(q, kp, vp, idx, keep, it / nc, it % nc, ch, H, KV, hd, W, scale, part + it * H * (hd + 2));
         #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * H; bh++) da_merge(part, nc, H, hd, bh / H, bh % H, out);
+        for (int64_t m = 0; m < M; m++) {
+            agentmem_avx2_rms_norm_f32(h + m * D, D, nw1, nx + m * D, 1, D, eps);
+            quantize(nx + m * D, D, xq + m * D, xs + m);
+        }
+        team_groups(wqkv, sqkv, xq, xs, qkv, bqkv, NULL, M, NQKV, D);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            agentmem_avx2_rope_f32(qkv + m * NQKV, NQKV, cs + m * hd, sn + m * hd, qk + m * QK * hd, 1, QK, hd);
+            memcpy(kp + wslot[m] * row, qk + m * QK * hd + HD, sizeof(float) * (size_t)row);
+            memcpy(vp + wslot[m] * row, qkv + m * NQKV + QK * hd, sizeof(float) * (size_t)row);
+        }
+        team_decode_attn(qk, QK * hd, kp, vp, idx, keep, attn, HD, M, H, KV, hd, W, scale, ch, part);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize(attn + m * HD, HD, xq + m * HD, xs + m);
+        team_groups(wo, so, xq, xs, h2, bo, h, M, D, HD);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            agentmem_avx2_rms_norm_f32(h2 + m * D, D, nw2, nx + m * D, 1, D, eps);
+            quantize(nx + m * D, D, xq + m * D, xs + m);
+        }
+        team_groups(wgu, sgu, xq, xs, gu, NULL, NULL, M, 2 * I, D);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            silu_mul_row(gu + m * 2 * I, I, gu + m * 2 * I);  /* in place: y[i..i+8) is written after gu[i..i+8) and gu[I+i..) are read */
+            quantize(gu + m * 2 * I, I, xq + m * I, xs + m);
+        }
+        team_groups(wd, sd, xq, xs, out, NULL, h2, M, D, I);
     }
-    free(part);
+    free(part); free(gu); free(h2); free(attn); free(qk); free(qkv); free(nx); free(xs); free(xq);
 }
 """.replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C)
 
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
+# function rounds alike at every call site (the fused layer and the separate calls give the same bits)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
     "agentmem_avx2_rms_norm_f32": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_avx2_rope_f32": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
+    "agentmem_avx2_silu_mul_f32": [_P, _I, _P, _I, _I],
+    "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 10 + [_I, ctypes.c_float] + [_P] * 7
+                              + [_I] * 6 + [_I32],
 }
 MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
 # Rows up to which Proj's int8 product takes the kernel: past decode's 16, a blend probe's
@@ -495,3 +611,64 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
     paged pool (q [B, H, hd]; pools [..., KV, hd], contiguous; idx [B * W] flat slots; keep
     [B, W] which of them the row sees). Returns [B, H, hd]."""
     return cpu_gemv.attend_pool(lib.agentmem_avx2_decode_attn_f32, q, k_pool, v_pool, idx, keep, scale)
+
+
+def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u of fp32 rows gu [N, 2I] (g = gu[:, :I], u = gu[:, I:]; each row contiguous) in
+    one call: [N, I] fp32, the bits the fused layer computes (SiLU's exponential within ~1e-7 of
+    torch's)."""
+    n, two_i = gu.shape
+    if gu.dtype != torch.float32 or gu.device.type != "cpu" or two_i % 2 or gu.stride(1) != 1:
+        raise ValueError(f"silu_mul: gu {gu.dtype} {tuple(gu.shape)} strides {gu.stride()}")
+    y = torch.empty(n, two_i // 2, dtype=torch.float32)
+    lib.agentmem_avx2_silu_mul_f32(gu.data_ptr(), gu.stride(0), y.data_ptr(), n, two_i // 2)
+    return y
+
+
+def _on_kernel(*projs) -> bool:
+    """Whether every `Proj` is int8 on this kernel's route (its GEMV layout built)."""
+    return all(p is not None and p.fmt == "int8" and p.q8_route == "avx2" and p.w_gemv is not None for p in projs)
+
+
+def _fp32_or_none(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+
+
+def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor,
+             keep: torch.Tensor) -> torch.Tensor | None:
+    """A whole decoder layer (`Block.forward`) for fp32 decode rows h [M, D] in one call
+    (`agentmem_avx2_layer_q8`): norm, qkv (+ its bias), RoPE, the rows' K/V written to this layer's
+    paged pool (k_pool/v_pool [..., KV, hd], fp32) at `slots` [M], the decode attention over each
+    row's keys (idx [M * W] flat slots, keep [M, W] uint8, as `decode_attention`), then
+    `Block.finish`. The separate calls' arithmetic, except SiLU's exponential (this library's
+    polynomial, within ~1e-7 of torch's). None where it does not take these (the caller runs the
+    separate calls)."""
+    a = block.args
+    m = h.shape[0]
+    w = keep.numel() // max(m, 1)
+    projs = (block.qkv_p, block.o_p, block.gate_up_p, block.down_p)
+    if not (h.dtype == torch.float32 and h.device.type == "cpu" and h.dim() == 2 and 0 < m <= MAX_ROWS
+            and h.is_contiguous() and _on_kernel(*projs) and block.gate_up_p.bias is None
+            and block.down_p.bias is None and _fp32_or_none(block.qkv_p.bias) and _fp32_or_none(block.o_p.bias)
+            and block.q_norm is None and block.input_norm.eps == block.post_norm.eps
+            and block.input_norm.weight.dtype == block.post_norm.weight.dtype == torch.float32
+            and a.sliding_window is None and a.head_dim % 16 == 0 and a.head_dim <= cpu_gemv.MAX_HEAD_DIM
+            and a.n_heads % a.n_kv_heads == 0 and cos.dtype == torch.float32 and cos.shape == (m, a.head_dim)
+            and k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
+            and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous()):
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = slots.contiguous()
+    out = torch.empty_like(h)
+    bq, bo = block.qkv_p.bias, block.o_p.bias
+    lib.agentmem_avx2_layer_q8(
+        h.data_ptr(), out.data_ptr(), block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr(),
+        block.input_norm.eps, block.qkv_p.w_gemv.data_ptr(), block.qkv_p.scale.data_ptr(),
+        None if bq is None else bq.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w, a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(),
+        block.o_p.scale.data_ptr(), None if bo is None else bo.data_ptr(), block.gate_up_p.w_gemv.data_ptr(),
+        block.gate_up_p.scale.data_ptr(), block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m,
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, torch.get_num_threads())
+    return out
