@@ -47,6 +47,9 @@ class Config(BaseSettings):
     compile_timeout_s: float = 600.0
     device: str = "auto"  # auto | cpu | cuda
     kv_block_size: int = 16
+    # the paged KV pool's dtype: auto (fp16 for an fp32 engine on the AVX2 kernels, whose decode
+    # attention reads it at half fp32's bytes; else the engine's) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"
     kv_pool_tokens: int = 32768  # capacity of the paged KV pool, in tokens
     max_batch: int = 16
     max_batch_per_tenant: int | None = None  # slots one tenant may hold; default: all but an eighth of max_batch

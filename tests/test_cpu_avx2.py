@@ -141,6 +141,31 @@ def test_decode_attention_matches_sdpa_over_gathered_keys(lib, rows, width, head
         cpu_avx2.decode_attention(lib, q, k_pool, v_pool, idx[:-1], keep)
 
 
+@pytest.mark.parametrize("rows,width,heads,kv_heads,hd", [(1, 300, 9, 3, 64), (8, 1500, 9, 3, 64), (3, 90, 12, 2, 96),
+                                                         (2, 40, 4, 4, 8)])
+def test_decode_attention_over_an_fp16_pool_reads_it_as_fp32(lib, rows, width, heads, kv_heads, hd):
+    """An fp16 pool (an fp32 engine's on this route, `Engine.kv_dtype`): the same attention as over
+    the pool's values widened to fp32, exactly as the fp32 kernel computes it, and within fp16's
+    rounding of attention over the unrounded keys."""
+    g = torch.Generator().manual_seed(rows + width)
+    k32 = torch.randn(64, 16, kv_heads, hd, generator=g) * 3
+    v32 = torch.randn(64, 16, kv_heads, hd, generator=g)
+    k16, v16 = k32.half(), v32.half()
+    q = torch.randn(rows, heads, hd, generator=g)
+    idx = torch.randint(0, 64 * 16, (rows * width,), generator=g)
+    keep = torch.rand(rows, width, generator=g) < 0.8
+    keep[:, 0] = True
+    assert cpu_avx2.attention_usable(torch.float16, torch.device("cpu"), heads, kv_heads, hd)
+    assert not cpu_avx2.attention_usable(torch.bfloat16, torch.device("cpu"), heads, kv_heads, hd)
+    out = cpu_avx2.decode_attention(lib, q, k16, v16, idx, keep)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, cpu_avx2.decode_attention(lib, q, k16.float(), v16.float(), idx, keep))
+    exact = cpu_avx2.decode_attention(lib, q, k32, v32, idx, keep)
+    assert (out - exact).abs().max() < 2e-2 and not torch.equal(out, exact)
+    with pytest.raises(ValueError, match="fp16"):
+        cpu_avx2.decode_attention(lib, q, k16, v32, idx, keep)
+
+
 def test_place_k_rotates_fp32_chunks_with_the_kernel_into_the_blend(lib, monkeypatch):
     """kvreuse.place_k in fp32: the AVX2 RoPE kernel a layer at a time, written into the blend's
     K, equals the model's own rotation; without the library the torch path lands the same."""
@@ -183,8 +208,10 @@ def test_silu_mul_matches_torch(lib):
         cpu_avx2.silu_mul(lib, gu.bfloat16())
 
 
-@pytest.mark.parametrize("lens,bias", [([5, 17, 9], False), ([12], False), ([3, 30, 8, 1, 22, 14], True)])
-def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch, lens, bias):
+@pytest.mark.parametrize("lens,bias,kv", [([5, 17, 9], False, torch.float32), ([12], False, torch.float32),
+                                         ([3, 30, 8, 1, 22, 14], True, torch.float32),
+                                         ([5, 17, 9], False, torch.float16), ([3, 30, 8, 1, 22, 14], True, torch.float16)])
+def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch, lens, bias, kv):
     """Decode rows of different lengths, each with its keys scattered over a paged pool: the whole
     layer as one call (`cpu_avx2.layer_q8`: 1 row, 3, and 6 in a 4-row tile and a ragged one, with
     Qwen2's q/k/v biases and an o bias) writes the same K/V into the pool and returns the same
@@ -206,7 +233,7 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     block.pack("int8")
     assert block.o_p.q8_route == "avx2"
     g = torch.Generator().manual_seed(len(lens))
-    k0, v0 = (torch.randn(2, 128, 2, 32, generator=g) for _ in range(2))  # [layers, slots, KV, hd]
+    k0, v0 = (torch.randn(2, 128, 2, 32, generator=g).to(kv) for _ in range(2))  # [layers, slots, KV, hd]
     perm = torch.randperm(128, generator=g)
     rows_slots, at = [], 0
     for n in lens:
@@ -230,9 +257,9 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     fused = block(h, pos, rotary, fused_attn)
     pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
 
-    def attn(i, q, k_raw, k_rot, v):
-        pool.k[i].index_copy_(0, slots, k_rot)
-        pool.v[i].index_copy_(0, slots, v)
+    def attn(i, q, k_raw, k_rot, v):  # what the runner does: KVPool.write (rounds to the pool's dtype), attention
+        pool.k[i].index_copy_(0, slots, k_rot.to(kv))
+        pool.v[i].index_copy_(0, slots, v.to(kv))
         return cpu_avx2.decode_attention(lib, q, pool.k[i], pool.v[i], idx, keep)
 
     monkeypatch.setattr(M, "FUSED_DECODE", False)
@@ -246,3 +273,4 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
     dense = block(h, pos, rotary, attn)
     assert (dense - fused).abs().max() < 0.05 * dense.abs().max()
+    assert fused_pool.k.dtype == kv

@@ -407,3 +407,53 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     fused_rows.clear()
     assert got_one == drive(e, EngineLoop(e), one, 64)
     assert fused_rows == []
+
+
+def test_an_fp32_engine_on_the_avx2_kernels_keeps_its_kv_in_fp16(tmp_path_factory, monkeypatch):
+    """kv_dtype auto: an fp32 engine whose decode runs on the AVX2 kernels holds its paged pool in
+    fp16 (half the bytes a step reads), decode layers run whole in C over it, and a prompt longer than a prefill chunk (its later chunks attend to the pool's
+    fp16 K/V, widened) gives logits within fp16's rounding of an fp32 pool's, step by step. An
+    explicit kv_dtype that the engine cannot read is refused."""
+    from transformers import LlamaForCausalLM
+
+    from agentmem.engine.kernels import cpu_avx2
+
+    if cpu_avx2.load() is None:
+        pytest.skip(f"no AVX2 kernels: {cpu_avx2.why_not}")
+    monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: fp32 rows take cpu_avx2
+    monkeypatch.setattr(cpu_gemv, "_tried", True)
+    tok = build_tokenizer("llama3")
+    path = tmp_path_factory.mktemp("tiny-llama-avx2")
+    hf = LlamaForCausalLM(hf_config("LlamaConfig", len(tok), tok, hidden_size=128, intermediate_size=192,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    randomize(hf, seed=5)
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    e16 = load(path, dtype="float32", weights="int8", prefill_chunk=64, compile="off")
+    e32 = load(path, dtype="float32", weights="int8", prefill_chunk=64, kv_dtype="float32", compile="off")
+    assert e16.kv_dtype == torch.float16 and e32.kv_dtype == torch.float32
+    assert e16.model.layers[0].o_p.q8_route == "avx2"
+    loop16, loop32 = EngineLoop(e16), EngineLoop(e32)
+    assert loop16.pool.k.dtype == torch.float16
+    fused = []
+    real = cpu_avx2.layer_q8
+    monkeypatch.setattr(cpu_avx2, "layer_q8", lambda lib, block, h, *a: (out := real(lib, block, h, *a)) is not None
+                        and fused.append(a[2].dtype) or out)
+    seen = {16: [], 32: []}
+    for bits, loop in ((16, loop16), (32, loop32)):
+        run = loop.runner.run
+        loop.runner.run = lambda batch, run=run, bits=bits: (r := run(batch)) and seen[bits].append(r[0].clone()) or r
+    prompts = [ids(150, seed=s) for s in range(3)]  # 3 chunks each: the later ones read the pool
+    drive(e16, loop16, prompts, 12)
+    assert fused and set(fused) == {torch.float16}  # decode layers ran whole in C, over the fp16 pool
+    fused.clear()
+    drive(e32, loop32, prompts, 12)
+    assert fused and set(fused) == {torch.float32}
+    assert len(seen[16]) == len(seen[32]) > 12
+    for a, b in zip(seen[16], seen[32], strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() < 0.02 * b.abs().max()
+    assert any(not torch.equal(a, b) for a, b in zip(seen[16], seen[32], strict=True))  # it is fp16
+    with pytest.raises(ValueError, match="kv_dtype"):
+        load(path, dtype="float32", weights="int8", kv_dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        load(path, dtype="float32", weights="int8", kv_dtype="half")

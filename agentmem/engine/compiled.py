@@ -98,6 +98,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     v = v_pool.view(-1, kv_heads, hd).index_select(0, idx).view(b, width, kv_heads, hd)
     if up:
         q, k, v = q.float(), k.float(), v.float()
+    elif k.dtype != q.dtype:  # an fp16 pool under an fp32 engine (Engine.kv_dtype)
+        k, v = k.to(q.dtype), v.to(q.dtype)
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          enable_gqa=True)[:, :, 0]
     return out.to(torch.bfloat16) if up else out
@@ -114,8 +116,8 @@ def _decoder_layer(shape: tuple[int, int, int, int, float], h, cos, sin, slots, 
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    k_pool.view(-1, n_kv, hd).index_copy_(0, slots, k)
-    v_pool.view(-1, n_kv, hd).index_copy_(0, slots, v)
+    k_pool.view(-1, n_kv, hd).index_copy_(0, slots, k.to(k_pool.dtype))  # an fp16 pool under fp32 rows
+    v_pool.view(-1, n_kv, hd).index_copy_(0, slots, v.to(v_pool.dtype))
     attn = paged_attention(q, k_pool, v_pool, idx, mask, mask.shape[-1]).reshape(b, n_heads * hd)
     h = h + torch.ops.agentmem.proj(attn, o, h.shape[1])
     gate, up = torch.ops.agentmem.proj(rms_norm(h, post_norm, eps), gate_up, 2 * hidden).chunk(2, dim=-1)
@@ -223,7 +225,8 @@ class CompiledDecode:
         print(f"agentmem: compiling the decode step for {b} row(s) over {width} keys (once; cached under "
               f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}) ...", file=sys.stderr, flush=True)
         try:
-            h = torch.zeros(b, self.model.args.dim, dtype=self.pool.k.dtype, device=self.pool.k.device)
+            h = torch.zeros(b, self.model.args.dim, dtype=self.model.embed_tokens.weight.dtype,
+                            device=self.pool.k.device)
             pos = torch.zeros(b, dtype=torch.long, device=h.device)
             slots = torch.full((b,), self.pool.scratch_slot, dtype=torch.long, device=h.device)
             with TRACE_LOCK.exclusive():  # fx patches nn.Module process-wide while it traces (threads.py)

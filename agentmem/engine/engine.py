@@ -195,6 +195,27 @@ class ChatText:
         return segs
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The paged KV pool's dtype for `kv_dtype=name` and engine dtype `dtype`. auto: fp16 for an
+    fp32 engine on the CPU with the AVX2 kernels loaded (their decode attention and fused layer
+    read and write fp16 K/V: a long context's or many streams' K/V cost half the bytes a step,
+    and prefill keeps fp32 within a chunk; docs/engine.md, session 35), else the engine's dtype.
+    An explicit dtype must be the engine's, or float16 where auto would take it."""
+    half_ok = device.type == "cpu" and dtype == torch.float32 and cpu_avx2.loaded() is not None
+    if name == "auto":
+        return torch.float16 if half_ok else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"kv_dtype must be auto or one of {', '.join(_DTYPES)}, got {name!r}")
+    kv = _DTYPES[name]
+    if kv != dtype and not (kv == torch.float16 and half_ok):
+        raise ValueError(f"kv_dtype {name} with a {str(dtype).removeprefix('torch.')} engine: the pool holds the "
+                         "engine's dtype, or float16 for an fp32 engine on the CPU's AVX2 kernels")
+    return kv
+
+
 class Engine(ChatText):
     def __init__(self, model: Transformer, tokenizer, model_id: str, device: torch.device, config: Config,
                  path: Path | None = None):
@@ -204,6 +225,7 @@ class Engine(ChatText):
         self.device = device
         self.dtype = model.embed_tokens.weight.dtype
         self.weights = model.weights  # the projections' format (linear.WEIGHT_FORMATS)
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype, device)  # the paged pool's
         self.config = config
         self.chat: ChatFormat = chat_format(tokenizer)
         self.context_window = min(config.context_window or model.args.max_seq_len, model.args.max_seq_len)

@@ -68,7 +68,7 @@ class EngineLoop:
         block_size = block_size or cfg.kv_block_size
         num_blocks = max(1, (pool_tokens or cfg.kv_pool_tokens) // block_size)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.pool = KVPool(engine.model.args, num_blocks, block_size, engine.device, engine.dtype)
+        self.pool = KVPool(engine.model.args, num_blocks, block_size, engine.device, engine.kv_dtype)
         self.scheduler = Scheduler(self.blocks, max_batch or cfg.max_batch, prefill_chunk or cfg.prefill_chunk,
                                    tenant_cap=cfg.max_batch_per_tenant)
         self.runner = ModelRunner(engine.model, self.pool, self.blocks, engine.device, compiled_decode(engine, self.pool))

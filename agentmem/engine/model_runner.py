@@ -182,6 +182,8 @@ class ModelRunner:
                 out[:n_dec] = decode_attn(i, q[:n_dec])
             for off, n, start, table in chunks:
                 k, vv = pool.gather(i, table, start + n)
+                if k.dtype != q.dtype:  # an fp16 pool under an fp32 engine (Engine.kv_dtype)
+                    k, vv = k.to(q.dtype), vv.to(q.dtype)
                 out[off : off + n] = attend_chunk(q[off : off + n], k, vv, start, window)
             return out
 

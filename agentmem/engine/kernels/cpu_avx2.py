@@ -256,20 +256,29 @@ static inline __m256 hsum8x8(const __m256 *a) {
 @DA_CHUNK@
 #define DA_HB 16    /* query heads of a KV head scored together (the score buffer on the stack) */
 
+/* 8 pool elements from element i of a pool of fp32 (H16 = 0) or fp16 (H16 = 1: F16C's vcvtph2ps)
+   values. The pool functions below take H16 as a constant (inlined down from `da_item_f32` and
+   `da_item_f16`), so each element type has its own code and no branch per load. */
+static inline __attribute__((always_inline)) __m256 ld8(const void *pool, int64_t i, const int H16) {
+    return H16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i)))
+               : _mm256_loadu_ps((const float *)pool + i);
+}
+
 /* acc[g][d] += s[g][t] * v_t over the n keys, for GN heads (score rows ls apart) and ND x 8
    dims of V from `off` in each pool row (ldv elements); the sums go to o (heads ldo apart).
    Inlined with constant GN, ND: the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void pv_heads(const float *vp, const int64_t *slot, int64_t n,
+static inline __attribute__((always_inline)) void pv_heads(const void *vp, const int64_t *slot, int64_t n,
                                                            int64_t ldv, int64_t off, const float *s, int64_t ls,
-                                                           const int GN, const int ND, float *o, int64_t ldo) {
+                                                           const int GN, const int ND, float *o, int64_t ldo,
+                                                           const int H16) {
     __m256 acc[10];
     for (int i = 0; i < GN * ND; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
-        const float *v = vp + slot[t] * ldv + off;
+        const int64_t v = slot[t] * ldv + off;
         __m256 p[4];
         for (int g = 0; g < GN; g++) p[g] = _mm256_broadcast_ss(s + g * ls + t);
         for (int d = 0; d < ND; d++) {
-            const __m256 vv = _mm256_loadu_ps(v + 8 * d);
+            const __m256 vv = ld8(vp, v + 8 * d, H16);
             for (int g = 0; g < GN; g++) acc[g * ND + d] = _mm256_fmadd_ps(p[g], vv, acc[g * ND + d]);
         }
     }
@@ -281,9 +290,10 @@ static inline __attribute__((always_inline)) void pv_heads(const float *vp, cons
    scores and one V vector in AVX2's 16 registers. */
 static inline int pv_width(int gn) { return gn == 1 ? 8 : gn == 2 ? 5 : gn == 3 ? 3 : 2; }
 
-static void pv_any(const float *vp, const int64_t *slot, int64_t n, int64_t ldv, int64_t off, const float *s,
-                   int64_t ls, int gn, int nd, float *o, int64_t ldo) {
-    #define PV(GN, ND) case GN * 16 + ND: pv_heads(vp, slot, n, ldv, off, s, ls, GN, ND, o, ldo); break;
+static inline __attribute__((always_inline)) void pv_any(const void *vp, const int64_t *slot, int64_t n,
+                                                         int64_t ldv, int64_t off, const float *s, int64_t ls, int gn,
+                                                         int nd, float *o, int64_t ldo, const int H16) {
+    #define PV(GN, ND) case GN * 16 + ND: pv_heads(vp, slot, n, ldv, off, s, ls, GN, ND, o, ldo, H16); break;
     switch (gn * 16 + nd) {
         PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(1, 5) PV(1, 6) PV(1, 7) PV(1, 8)
         PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4) PV(2, 5) PV(3, 1) PV(3, 2) PV(3, 3) PV(4, 1) PV(4, 2)
@@ -293,26 +303,27 @@ static void pv_any(const float *vp, const int64_t *slot, int64_t n, int64_t ldv,
 
 /* The scores of 8 keys (pool rows ldv elements apart, from `off`) against one query head qg of
    ND x 8 dims, times sc, into s[0..7]: one transposed sum of 8 dot products. */
-static inline __attribute__((always_inline)) void scores8(const float *kp, const int64_t *slot, int64_t ldv,
+static inline __attribute__((always_inline)) void scores8(const void *kp, const int64_t *slot, int64_t ldv,
                                                           int64_t off, const float *qg, const int64_t ND,
-                                                          __m256 sc, float *s) {
-    const float *k[8];
-    for (int j = 0; j < 8; j++) k[j] = kp + slot[j] * ldv + off;
+                                                          __m256 sc, float *s, const int H16) {
+    int64_t k[8];
+    for (int j = 0; j < 8; j++) k[j] = slot[j] * ldv + off;
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < ND; d++) {
         const __m256 qv = _mm256_loadu_ps(qg + 8 * d);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k[j] + 8 * d), qv, a[j]);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(ld8(kp, k[j] + 8 * d, H16), qv, a[j]);
     }
     _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(a), sc));
 }
 
-static void scores_any(const float *kp, const int64_t *slot, int64_t ldv, int64_t off, const float *qg,
-                       int64_t nd, __m256 sc, float *s) {
+static inline __attribute__((always_inline)) void scores_any(const void *kp, const int64_t *slot, int64_t ldv,
+                                                             int64_t off, const float *qg, int64_t nd, __m256 sc,
+                                                             float *s, const int H16) {
     switch (nd) {  /* SmolLM2's 64 dims and 128 unrolled; others by a loop */
-        case 8: scores8(kp, slot, ldv, off, qg, 8, sc, s); break;
-        case 16: scores8(kp, slot, ldv, off, qg, 16, sc, s); break;
-        default: scores8(kp, slot, ldv, off, qg, nd, sc, s); break;
+        case 8: scores8(kp, slot, ldv, off, qg, 8, sc, s, H16); break;
+        case 16: scores8(kp, slot, ldv, off, qg, 16, sc, s, H16); break;
+        default: scores8(kp, slot, ldv, off, qg, nd, sc, s, H16); break;
     }
 }
 
@@ -320,11 +331,13 @@ static void scores_any(const float *kp, const int64_t *slot, int64_t ldv, int64_
    chunk's score maximum, its exp sum and its unnormalised V sum [hd] (sum 0: no key kept). The
    kept keys' slots are padded to a multiple of 8 with the last one, so every 8 keys are scored
    together; the padding's scores are set to -inf (exp 0) and the V sums stop at n. */
-static void da_item(const float *q, int64_t ldq, const float *kp, const float *vp, const int64_t *idx,
-                    const uint8_t *keep, int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd,
-                    int64_t W, float scale, float *part) {
+static inline __attribute__((always_inline)) void da_item(const float *q, int64_t ldq, const void *kp,
+                                                          const void *vp, const int64_t *idx, const uint8_t *keep,
+                                                          int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV,
+                                                          int64_t hd, int64_t W, float scale, float *part,
+                                                          const int H16) {
     const int64_t G = H / KV, lo = c * ch, hi = lo + ch < W ? lo + ch : W, ldv = KV * hd, ldp = hd + 2;
-    const int64_t nd = hd / 8, lines = hd * 4 / 64 > 0 ? hd * 4 / 64 : 1;
+    const int64_t es = H16 ? 2 : 4, nd = hd / 8, lines = hd * es / 64 > 0 ? hd * es / 64 : 1;
     int64_t slot[DA_MAX + 8], n = 0;
     for (int64_t j = lo; j < hi; j++)
         if (keep[b * W + j]) slot[n++] = idx[b * W + j];
@@ -345,10 +358,10 @@ static void da_item(const float *q, int64_t ldq, const float *kp, const float *v
                 if (g0 == 0)
                     for (int64_t j = t0 + 8; j < t0 + 16 && j < n; j++)  /* the next keys, while these are summed */
                         for (int64_t l = 0; l < lines; l++) {
-                            _mm_prefetch((const char *)(kp + slot[j] * ldv + kvh * hd) + 64 * l, _MM_HINT_T0);
-                            _mm_prefetch((const char *)(vp + slot[j] * ldv + kvh * hd) + 64 * l, _MM_HINT_T0);
+                            _mm_prefetch((const char *)kp + (slot[j] * ldv + kvh * hd) * es + 64 * l, _MM_HINT_T0);
+                            _mm_prefetch((const char *)vp + (slot[j] * ldv + kvh * hd) * es + 64 * l, _MM_HINT_T0);
                         }
-                for (int64_t g = 0; g < gb; g++) scores_any(kp, slot + t0, ldv, kvh * hd, qg + g * hd, nd, sc, s + g * ch + t0);
+                for (int64_t g = 0; g < gb; g++) scores_any(kp, slot + t0, ldv, kvh * hd, qg + g * hd, nd, sc, s + g * ch + t0, H16);
             }
             for (int64_t g = 0; g < gb; g++) {  /* softmax numerators in place, their maximum and sum */
                 float *sg = s + g * ch, *p = part + (h0 + g) * ldp;
@@ -371,10 +384,22 @@ static void da_item(const float *q, int64_t ldq, const float *kp, const float *v
                 const int64_t w = pv_width((int)gn);
                 for (int64_t d0 = 0; d0 < nd; d0 += w)
                     pv_any(vp, slot, n, ldv, kvh * hd + 8 * d0, s + i * ch, ch, (int)gn,
-                           (int)(nd - d0 < w ? nd - d0 : w), part + (h0 + i) * ldp + 2 + 8 * d0, ldp);
+                           (int)(nd - d0 < w ? nd - d0 : w), part + (h0 + i) * ldp + 2 + 8 * d0, ldp, H16);
                 i += gn;
             }
         }
+}
+
+static void da_item_f32(const float *q, int64_t ldq, const void *kp, const void *vp, const int64_t *idx,
+                       const uint8_t *keep, int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd,
+                       int64_t W, float scale, float *part) {
+    da_item(q, ldq, kp, vp, idx, keep, b, c, ch, H, KV, hd, W, scale, part, 0);
+}
+
+static void da_item_f16(const float *q, int64_t ldq, const void *kp, const void *vp, const int64_t *idx,
+                       const uint8_t *keep, int64_t b, int64_t c, int64_t ch, int64_t H, int64_t KV, int64_t hd,
+                       int64_t W, float scale, float *part) {
+    da_item(q, ldq, kp, vp, idx, keep, b, c, ch, H, KV, hd, W, scale, part, 1);
 }
 
 /* out[b, h] from row b's nc chunk items: each chunk's sums rescaled to the row's maximum. */
@@ -397,13 +422,15 @@ static void da_merge(const float *part, int64_t nc, int64_t H, int64_t hd, int64
 
 /* For the calling team: the decode attention of B query rows (q: rows ldq apart, heads hd apart)
    into out (rows ldo apart), chunks of ch keys, part: B * nc * H * (hd + 2) floats. */
-static void team_decode_attn(const float *q, int64_t ldq, const float *kp, const float *vp, const int64_t *idx,
+static void team_decode_attn(const float *q, int64_t ldq, const void *kp, const void *vp, const int64_t *idx,
                              const uint8_t *keep, float *out, int64_t ldo, int64_t B, int64_t H, int64_t KV,
-                             int64_t hd, int64_t W, float scale, int64_t ch, float *part) {
+                             int64_t hd, int64_t W, float scale, int64_t ch, float *part, int h16) {
     const int64_t nc = (W + ch - 1) / ch;
+    void (*item)(const float *, int64_t, const void *, const void *, const int64_t *, const uint8_t *, int64_t,
+                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float *) = h16 ? da_item_f16 : da_item_f32;
     #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < B * nc; it++)
-        da_item(q, ldq, kp, vp, idx, keep, it / nc, it % nc, ch, H, KV, hd, W, scale, part + it * H * (hd + 2));
+        item(q, ldq, kp, vp, idx, keep, it / nc, it % nc, ch, H, KV, hd, W, scale, part + it * H * (hd + 2));
     #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; bh++) da_merge(part, nc, H, hd, bh / H, bh % H, out, ldo);
 }
@@ -412,15 +439,34 @@ static float *da_part(int64_t B, int64_t W, int64_t H, int64_t hd, int64_t ch) {
     return (float *)malloc(sizeof(float) * (size_t)(B * ((W + ch - 1) / ch) * H * (hd + 2) + 1));
 }
 
-void agentmem_avx2_decode_attn_f32(const float *q, const float *kp, const float *vp, const int64_t *idx,
-                                   const uint8_t *keep, float *out, int64_t B, int64_t H, int64_t KV, int64_t hd,
-                                   int64_t W, float scale, int threads) {
+static void decode_attn(const float *q, const void *kp, const void *vp, const int64_t *idx, const uint8_t *keep,
+                        float *out, int64_t B, int64_t H, int64_t KV, int64_t hd, int64_t W, float scale, int threads,
+                        int h16) {
     if (B <= 0) return;
     const int64_t ch = da_chunk(B, W, threads);
     float *part = da_part(B, W, H, hd, ch);
     #pragma omp parallel num_threads(threads)
-    team_decode_attn(q, H * hd, kp, vp, idx, keep, out, H * hd, B, H, KV, hd, W, scale, ch, part);
+    team_decode_attn(q, H * hd, kp, vp, idx, keep, out, H * hd, B, H, KV, hd, W, scale, ch, part, h16);
     free(part);
+}
+
+void agentmem_avx2_decode_attn_f32(const float *q, const float *kp, const float *vp, const int64_t *idx,
+                                   const uint8_t *keep, float *out, int64_t B, int64_t H, int64_t KV, int64_t hd,
+                                   int64_t W, float scale, int threads) {
+    decode_attn(q, kp, vp, idx, keep, out, B, H, KV, hd, W, scale, threads, 0);
+}
+
+/* The same over an fp16 pool (fp32 queries and output): half the bytes of K and V read a step. */
+void agentmem_avx2_decode_attn_f16kv(const float *q, const uint16_t *kp, const uint16_t *vp, const int64_t *idx,
+                                     const uint8_t *keep, float *out, int64_t B, int64_t H, int64_t KV, int64_t hd,
+                                     int64_t W, float scale, int threads) {
+    decode_attn(q, kp, vp, idx, keep, out, B, H, KV, hd, W, scale, threads, 1);
+}
+
+/* n fp32 values to fp16 (round to nearest even, as torch's .to(float16) rounds); n a multiple of 8. */
+static void to_f16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
 /* silu(gate) * up of one row gu = [gate (I), up (I)] into y [I]: silu(x) = x * sigmoid(x),
@@ -452,14 +498,14 @@ void agentmem_avx2_silu_mul_f32(const float *gu, int64_t ld, float *y, int64_t N
    and o), in one call and one team of threads instead of about fifteen calls and five teams:
      rows normed (nw1) and quantized; qkv = wqkv(.) (+ bqkv) [M, (H + 2 KV) hd];
      q and k heads rotated (tables cs/sn [M, hd]) into qk; the row's rotated k and its v written
-       to this layer's pool (kp/vp [slots, KV, hd]) at wslot[m];
+       to this layer's pool (kp/vp [slots, KV, hd], fp32, or fp16 where h16) at wslot[m];
      the decode attention of each row over its keys (idx/keep [M, W], as the call above);
      h2 = h + o(attn) (+ bo); rows of h2 normed (nw2); gu = wgu(.); out = h2 + down(silu(gate) * up).
    The same arithmetic as the separate calls (each step's rounding included), in another order
    of threads only where the separate calls also split work. */
 void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const float *nw2, float eps,
                             const int8_t *wqkv, const float *sqkv, const float *bqkv, const float *cs, const float *sn,
-                            float *kp, float *vp, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
+                            void *kp, void *vp, int h16, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
                             int64_t W, float scale, const int8_t *wo, const float *so, const float *bo,
                             const int8_t *wgu, const float *sgu, const int8_t *wd, const float *sd, int64_t M,
                             int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
@@ -486,10 +532,15 @@ void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const 
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             agentmem_avx2_rope_f32(qkv + m * NQKV, NQKV, cs + m * hd, sn + m * hd, qk + m * QK * hd, 1, QK, hd);
-            memcpy(kp + wslot[m] * row, qk + m * QK * hd + HD, sizeof(float) * (size_t)row);
-            memcpy(vp + wslot[m] * row, qkv + m * NQKV + QK * hd, sizeof(float) * (size_t)row);
+            if (h16) {
+                to_f16(qk + m * QK * hd + HD, (uint16_t *)kp + wslot[m] * row, row);
+                to_f16(qkv + m * NQKV + QK * hd, (uint16_t *)vp + wslot[m] * row, row);
+            } else {
+                memcpy((float *)kp + wslot[m] * row, qk + m * QK * hd + HD, sizeof(float) * (size_t)row);
+                memcpy((float *)vp + wslot[m] * row, qkv + m * NQKV + QK * hd, sizeof(float) * (size_t)row);
+            }
         }
-        team_decode_attn(qk, QK * hd, kp, vp, idx, keep, attn, HD, M, H, KV, hd, W, scale, ch, part);
+        team_decode_attn(qk, QK * hd, kp, vp, idx, keep, attn, HD, M, H, KV, hd, W, scale, ch, part, h16);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize(attn + m * HD, HD, xq + m * HD, xs + m);
         team_groups(wo, so, xq, xs, h2, bo, h, M, D, HD);
@@ -512,15 +563,17 @@ void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const 
 
 # -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
 # function rounds alike at every call site (the fused layer and the separate calls give the same bits)
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
     "agentmem_avx2_rms_norm_f32": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_avx2_rope_f32": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
+    "agentmem_avx2_decode_attn_f16kv": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_silu_mul_f32": [_P, _I, _P, _I, _I],
-    "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 10 + [_I, ctypes.c_float] + [_P] * 7
+    "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 7 + [_I32] + [_P] * 3 + [_I, ctypes.c_float]
+                              + [_P] * 7
                               + [_I] * 6 + [_I32],
 }
 MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
@@ -539,7 +592,7 @@ why_not: str | None = None  # why the kernel is not in use, once `load` has been
 def cpu_ok() -> bool:
     """AVX2 and FMA. The engine loads this library only for fp32 rows (`Engine.load`: on a CPU
     with AVX512-BF16 it runs bf16 and `cpu_gemv`'s kernels), but it builds and runs on any."""
-    return {"avx2", "fma"} <= cpu_flags()
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
@@ -599,18 +652,26 @@ def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     cpu_gemv.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin, out=out)
 
 
+KV_DTYPES = (torch.float32, torch.float16)  # the pools `decode_attention` and `layer_q8` read (fp32 queries)
+
+
 def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether `decode_attention` takes such a query and pool: fp32 on the CPU, head_dim a
-    multiple of 8 up to 256 (any number of query heads per KV head)."""
-    return cpu_gemv.attention_takes(dtype, device, heads, kv_heads, head_dim, torch.float32, 8, None)
+    """Whether `decode_attention` takes such a pool (`dtype`: fp32 or fp16) with fp32 queries: on
+    the CPU, head_dim a multiple of 8 up to 256 (any number of query heads per KV head)."""
+    return dtype in KV_DTYPES and cpu_gemv.attention_takes(torch.float32, device, heads, kv_heads, head_dim,
+                                                           torch.float32, 8, None)
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      idx: torch.Tensor, keep: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """`cpu_gemv.decode_attention` for fp32: one decode query per row over its keys in the
-    paged pool (q [B, H, hd]; pools [..., KV, hd], contiguous; idx [B * W] flat slots; keep
-    [B, W] which of them the row sees). Returns [B, H, hd]."""
-    return cpu_gemv.attend_pool(lib.agentmem_avx2_decode_attn_f32, q, k_pool, v_pool, idx, keep, scale)
+    """`cpu_gemv.decode_attention` for fp32 queries: one decode query per row over its keys in
+    the paged pool (q [B, H, hd]; pools [..., KV, hd], contiguous, fp32 or fp16; idx [B * W] flat
+    slots; keep [B, W] which of them the row sees). Returns [B, H, hd] fp32."""
+    if q.dtype != torch.float32 or k_pool.dtype != v_pool.dtype or k_pool.dtype not in KV_DTYPES:
+        raise ValueError(f"decode_attention: fp32 queries over an fp32 or fp16 pool, got {q.dtype} over "
+                         f"{k_pool.dtype}/{v_pool.dtype}")
+    fn = lib.agentmem_avx2_decode_attn_f16kv if k_pool.dtype == torch.float16 else lib.agentmem_avx2_decode_attn_f32
+    return cpu_gemv.attend_pool(fn, q, k_pool, v_pool, idx, keep, scale)
 
 
 def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
@@ -639,7 +700,7 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
              keep: torch.Tensor) -> torch.Tensor | None:
     """A whole decoder layer (`Block.forward`) for fp32 decode rows h [M, D] in one call
     (`agentmem_avx2_layer_q8`): norm, qkv (+ its bias), RoPE, the rows' K/V written to this layer's
-    paged pool (k_pool/v_pool [..., KV, hd], fp32) at `slots` [M], the decode attention over each
+    paged pool (k_pool/v_pool [..., KV, hd], fp32 or fp16) at `slots` [M], the decode attention over each
     row's keys (idx [M * W] flat slots, keep [M, W] uint8, as `decode_attention`), then
     `Block.finish`. The separate calls' arithmetic, except SiLU's exponential (this library's
     polynomial, within ~1e-7 of torch's). None where it does not take these (the caller runs the
@@ -655,7 +716,8 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
             and block.input_norm.weight.dtype == block.post_norm.weight.dtype == torch.float32
             and a.sliding_window is None and a.head_dim % 16 == 0 and a.head_dim <= cpu_gemv.MAX_HEAD_DIM
             and a.n_heads % a.n_kv_heads == 0 and cos.dtype == torch.float32 and cos.shape == (m, a.head_dim)
-            and k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and k_pool.dtype == v_pool.dtype and k_pool.dtype in KV_DTYPES and k_pool.is_contiguous()
+            and v_pool.is_contiguous()
             and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
             and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous()):
         return None
@@ -667,7 +729,7 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
         h.data_ptr(), out.data_ptr(), block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr(),
         block.input_norm.eps, block.qkv_p.w_gemv.data_ptr(), block.qkv_p.scale.data_ptr(),
         None if bq is None else bq.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-        slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w, a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(),
+        int(k_pool.dtype == torch.float16), slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w, a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(),
         block.o_p.scale.data_ptr(), None if bo is None else bo.data_ptr(), block.gate_up_p.w_gemv.data_ptr(),
         block.gate_up_p.scale.data_ptr(), block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m,
         h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, torch.get_num_threads())
