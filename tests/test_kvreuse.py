@@ -487,3 +487,29 @@ def test_blend_breakdown_adds_up_to_the_blend_time(warm, metric, small_drift_gro
     assert {"lookup", "place", "select", "drift", "layers", "attention", "logits", "finish"} <= set(clock.parts)
     assert ("probe" in clock.parts) == (metric == "query")
     assert abs(sum(clock.parts.values()) - wall) <= 0.1 * wall
+
+
+def test_the_blend_buffers_are_reused_only_when_nothing_holds_the_last_ones():
+    """`kv_buffers`: the next prefill takes the last one's K/V memory again once every view of it
+    is gone, never while a caller still holds one (its values stay as they were)."""
+    from agentmem.kvreuse.fuser import kv_buffers
+
+    cpu = torch.device("cpu")
+    k, v = kv_buffers((2, 6, 3, 4), torch.float32, cpu)
+    k.fill_(1.0)
+    v.fill_(2.0)
+    k2, v2 = kv_buffers((2, 6, 3, 4), torch.float32, cpu)  # k, v still held: fresh memory
+    assert k2.data_ptr() != k.data_ptr() and v2.data_ptr() != v.data_ptr()
+    k2.fill_(5.0)
+    assert (k == 1.0).all() and (v == 2.0).all()
+    ptr = k2.data_ptr()
+    del k, v, k2, v2
+    k3, v3 = kv_buffers((2, 5, 3, 4), torch.float32, cpu)  # smaller, nothing held: the same memory
+    assert k3.data_ptr() == ptr and v3.data_ptr() == ptr + k3.numel() * 4
+    assert k3.shape == v3.shape == (2, 5, 3, 4)
+    row = k3[0]  # a view kept of the last result
+    del k3, v3
+    k4, _ = kv_buffers((2, 5, 3, 4), torch.float32, cpu)
+    assert k4.data_ptr() != ptr and row.data_ptr() == ptr
+    k5, _ = kv_buffers((2, 5, 3, 4), torch.bfloat16, cpu)  # another dtype: another buffer
+    assert k5.dtype == torch.bfloat16

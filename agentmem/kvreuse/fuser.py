@@ -38,6 +38,7 @@ every token runs every layer, in the same calls `full` makes, so the logits are 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -138,6 +139,34 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
         out.copy_(x)
         return out
     return x
+
+
+_BUFFERS = threading.local()  # per thread: the last blend's K/V buffer (`kv_buffers`)
+
+
+def _only_holder(t: torch.Tensor) -> bool:
+    """Whether no tensor but `t` uses its storage (no view of it is alive). torch counts the
+    storage's users: `t` and the temporary storage object asked here make 2."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(t.untyped_storage()._cdata) == 2
+
+
+def kv_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blend's K and V [L, T, KV, hd] (uninitialised). On the CPU, views of one buffer per
+    thread that the next prefill takes again once nothing holds the last one's K/V (the engine
+    loop writes them into its pool and drops them), instead of fresh memory: an fp32 2k-token
+    blend's K/V are 2 x 47 MB, past glibc's mmap threshold, so each prefill's came from new
+    pages and took their page faults on first touch (Zen 3 VM, session 35: placing the chunks
+    65-70 ms a prefill in fresh memory, 15 ms in reused). A caller that keeps a result (two blends
+    compared) makes the next one allocate. On CUDA the caching allocator already reuses."""
+    n = math.prod(shape)
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    buf = getattr(_BUFFERS, "kv", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < 2 * n or not _only_holder(buf):
+        buf = torch.empty(2 * n, dtype=dtype, device=device)
+        _BUFFERS.kv = buf
+    return buf[:n].view(shape), buf[n : 2 * n].view(shape)
 
 
 def fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -480,8 +509,7 @@ def _fuse(
     dtype = model.embed_tokens.weight.dtype
     n_tok = len(ids)
     pos = torch.arange(n_tok, device=dev)
-    k_all = torch.empty(a.n_layers, n_tok, a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
-    v_all = torch.empty_like(k_all)
+    k_all, v_all = kv_buffers((a.n_layers, n_tok, a.n_kv_heads, a.head_dim), dtype, dev)
     cached = torch.zeros(n_tok, dtype=torch.bool, device=dev)
     prefix = 0
     for p in pieces if mode != "full" else []:
