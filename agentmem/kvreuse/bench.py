@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -181,9 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                 r, dt = run_mode(reuse, parts, mode, clock=clock)
                 if clock is not None:
                     row["breakdown"] = clock.parts
-                results[mode] = r
                 row[f"{mode}_ttft_s"] = dt
                 row[f"{mode}_answer"] = greedy(engine, r, n, args.answer_tokens)
+                # only what the figures need is kept: the K/V are dropped before the next prefill,
+                # as the engine loop drops them once in its pool, so that each prefill may take
+                # the last one's buffers (fuser.kv_buffers) as it does there
+                results[mode] = SimpleNamespace(last_logits=r.last_logits, recomputed=r.recomputed,
+                                                prefilled=r.prefilled)
+                del r
             full = results["full"]
             top = int(full.last_logits.argmax())
             for mode in ("reuse", "blend"):
