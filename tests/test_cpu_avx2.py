@@ -274,3 +274,60 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     dense = block(h, pos, rotary, attn)
     assert (dense - fused).abs().max() < 0.05 * dense.abs().max()
     assert fused_pool.k.dtype == kv
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch, kv):
+    """`Transformer.forward` of decode rows over a paged pool runs every layer in one C call
+    (`layers_q8`): the same logits and the same K/V in every layer's pool as the layers one by
+    one; a model whose layers the call does not take (a q/k norm, Qwen3's) runs them one by one."""
+    from types import SimpleNamespace
+
+    from agentmem.engine import model as M
+
+    monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU
+    args = M.ModelArgs(vocab_size=96, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=208, head_dim=32)
+    torch.manual_seed(3)
+    model = M.Transformer(args)
+    for blk in model.layers:
+        blk.fuse()
+    model.pack("int8")
+    g = torch.Generator().manual_seed(3)
+    k0, v0 = (torch.randn(3, 96, 2, 32, generator=g).to(kv) for _ in range(2))  # [layers, slots, KV, hd]
+    lens = [7, 20, 11, 3]
+    perm = torch.randperm(96, generator=g)
+    rows_slots, at = [], 0
+    for n in lens:
+        rows_slots.append(perm[at:at + n].tolist())
+        at += n
+    width = max(lens)
+    idx = torch.tensor([s + s[:1] * (width - len(s)) for s in rows_slots]).flatten().contiguous()
+    keep = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in rows_slots], dtype=torch.uint8)
+    slots = torch.tensor([s[-1] for s in rows_slots])
+    ids, pos = torch.randint(0, 96, (4,), generator=g), torch.tensor([n - 1 for n in lens])
+    calls = []
+    real = cpu_avx2.layers_q8
+    monkeypatch.setattr(cpu_avx2, "layers_q8", lambda *a: (out := real(*a)) is not None and calls.append(1) or out)
+
+    def run(fused: bool):
+        pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+
+        def attn(i, q, k_raw, k_rot, v):
+            pool.k[i].index_copy_(0, slots, k_rot.to(kv))
+            pool.v[i].index_copy_(0, slots, v.to(kv))
+            return cpu_avx2.decode_attention(lib, q, pool.k[i], pool.v[i], idx, keep)
+
+        attn.decode_pool = (pool, slots, idx, keep)
+        monkeypatch.setattr(M, "FUSED_DECODE", fused)
+        return model(ids, pos, attn), pool
+
+    (one_call, p1), (separate, p2) = run(True), run(False)
+    assert calls == [1] and torch.equal(one_call, separate)
+    assert torch.equal(p1.k, p2.k) and torch.equal(p1.v, p2.v) and not torch.equal(p1.k, k0)
+    model.layers[1].q_norm, model.layers[1].k_norm = M.RMSNorm(32, 1e-5), M.RMSNorm(32, 1e-5)  # not taken
+    model.pack("int8")  # resets the table of pointers
+    calls.clear()
+    monkeypatch.setattr(M, "FUSED_DECODE", True)
+    assert model._avx2_layers is None
+    run(True)
+    assert calls == [] and model._avx2_layers is False

@@ -203,12 +203,14 @@ class Transformer(nn.Module):
         self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len, args.rope_scaling)
         self.head_p: Proj | None = None
         self.weights = "fp32"
+        self._avx2_layers = None  # cpu_avx2.layers_q8's table of the layers' weights (built at first use)
 
     def pack(self, fmt: str) -> None:
         """Put every projection and the LM head in weight format `fmt` (see linear.py). The
         dense nn.Linear weights stay: the quality checks and the planners read them."""
         for layer in self.layers:
             layer.pack(fmt)
+        self._avx2_layers = None  # the AVX2 decode step's table of weight pointers (cpu_avx2.layers_q8)
         self.head_p = Proj(self.lm_head.weight, None, fmt, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
 
@@ -239,8 +241,18 @@ class Transformer(nn.Module):
         (default: every row)."""
         h = self.embed_tokens(ids)
         cos_sin = self.rotary.cos_sin(positions)
-        for layer in self.layers:
-            h = layer(h, positions, self.rotary, attn, cos_sin)
+        out = None
+        if (h.dtype == torch.float32 and h.shape[0] <= cpu_avx2.MAX_ROWS and FUSED_DECODE
+                and (paged := getattr(attn, "decode_pool", None)) is not None
+                and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
+            # fp32 decode rows on the AVX2 int8 route: every layer in one C call (the per-layer
+            # call below, without Python between the layers)
+            out = cpu_avx2.layers_q8(lib, self, h, *cos_sin, *paged)
+        if out is not None:
+            h = out
+        else:
+            for layer in self.layers:
+                h = layer(h, positions, self.rotary, attn, cos_sin)
         if logits_at is not None:
             h = h[logits_at]
         return self.logits(h)

@@ -559,6 +559,30 @@ void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const 
     }
     free(part); free(gu); free(h2); free(attn); free(qk); free(qkv); free(nx); free(xs); free(xq);
 }
+
+/* Every layer of a decode step in one call: `agentmem_avx2_layer_q8` for layers 0..L-1 in turn,
+   each from the last one's output (two scratch rows ping-pong; the last layer writes out). Layer
+   l's weights are w[l * LAYER_PTRS + j] in the order of `agentmem_avx2_layer_q8`'s arguments
+   (nw1, nw2, wqkv, sqkv, bqkv, wo, so, bo, wgu, sgu, wd, sd; a bias may be NULL), its pool K/V
+   at kp/vp + l * pstride elements (fp16 where h16). */
+#define LAYER_PTRS 12
+void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const *w, float eps, const float *cs,
+                             const float *sn, void *kp, void *vp, int64_t pstride, int h16, const int64_t *wslot,
+                             const int64_t *idx, const uint8_t *keep, int64_t W, float scale, int64_t M, int64_t D,
+                             int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * M * D));
+    const int64_t es = h16 ? 2 : 4;
+    const float *x = h;
+    for (int64_t l = 0; l < L; l++) {
+        void *const *p = w + l * LAYER_PTRS;
+        float *y = l == L - 1 ? out : buf + (l & 1) * M * D;
+        agentmem_avx2_layer_q8(x, y, p[0], p[1], eps, p[2], p[3], p[4], cs, sn, (char *)kp + l * pstride * es,
+                               (char *)vp + l * pstride * es, h16, wslot, idx, keep, W, scale, p[5], p[6], p[7],
+                               p[8], p[9], p[10], p[11], M, D, H, KV, hd, I, threads);
+        x = y;
+    }
+    free(buf);
+}
 """.replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C)
 
 # -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
@@ -572,6 +596,8 @@ _SIGNATURES = {
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_decode_attn_f16kv": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_silu_mul_f32": [_P, _I, _P, _I, _I],
+    "agentmem_avx2_layers_q8": [_P, _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I32, _P, _P, _P, _I,
+                                ctypes.c_float] + [_I] * 6 + [_I32],
     "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 7 + [_I32] + [_P] * 3 + [_I, ctypes.c_float]
                               + [_P] * 7
                               + [_I] * 6 + [_I32],
@@ -695,6 +721,70 @@ def _fp32_or_none(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
 
 
+def _block_takes(block) -> bool:
+    """The parts of `layer_q8`'s conditions that depend on the block alone (its weights' formats,
+    biases and options): what `layers_q8` checks once per model."""
+    a = block.args
+    projs = (block.qkv_p, block.o_p, block.gate_up_p, block.down_p)
+    return (_on_kernel(*projs) and block.gate_up_p.bias is None and block.down_p.bias is None
+            and _fp32_or_none(block.qkv_p.bias) and _fp32_or_none(block.o_p.bias) and block.q_norm is None
+            and block.input_norm.eps == block.post_norm.eps
+            and block.input_norm.weight.dtype == block.post_norm.weight.dtype == torch.float32
+            and block.input_norm.weight.is_contiguous() and block.post_norm.weight.is_contiguous()
+            and a.sliding_window is None and a.head_dim % 16 == 0 and a.head_dim <= cpu_gemv.MAX_HEAD_DIM
+            and a.n_heads % a.n_kv_heads == 0)
+
+
+def _step_takes(h: torch.Tensor, hd: int, cos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                slots: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> bool:
+    """The parts that depend on the step: fp32 decode rows, their tables, the pool and the key slots."""
+    m = h.shape[0] if h.dim() == 2 else 0
+    w = keep.numel() // max(m, 1)
+    return (h.dtype == torch.float32 and h.device.type == "cpu" and 0 < m <= MAX_ROWS and h.is_contiguous()
+            and cos.dtype == torch.float32 and cos.shape == (m, hd)
+            and k_pool.dtype == v_pool.dtype and k_pool.dtype in KV_DTYPES and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8
+            and slots.numel() == m and idx.numel() == keep.numel() == m * w and idx.is_contiguous()
+            and keep.is_contiguous())
+
+
+def _layer_ptrs(block) -> list[int | None]:
+    """A block's weights in `agentmem_avx2_layer_q8`'s order (LAYER_PTRS of them)."""
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    q, o, gu, d = block.qkv_p, block.o_p, block.gate_up_p, block.down_p
+    return [ptr(block.input_norm.weight), ptr(block.post_norm.weight), ptr(q.w_gemv), ptr(q.scale), ptr(q.bias),
+            ptr(o.w_gemv), ptr(o.scale), ptr(o.bias), ptr(gu.w_gemv), ptr(gu.scale), ptr(d.w_gemv), ptr(d.scale)]
+
+
+def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool,
+              slots: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """Every decoder layer of a decode step (`Transformer.forward`'s loop) in one C call
+    (`agentmem_avx2_layers_q8`: `layer_q8` a layer, no Python between them): fp32 rows h [M, D]
+    in, the last layer's out; pool: the runner's KVPool (k/v [L, slots, KV, hd]). The table of
+    the layers' weight pointers is built once a model (`model._avx2_layers`, reset by `pack`);
+    None where a layer or the step is not taken (the caller runs the layers one by one)."""
+    table = getattr(model, "_avx2_layers", None)
+    if table is None:
+        blocks = list(model.layers)
+        ok = bool(blocks) and all(_block_takes(b) for b in blocks) and len({b.input_norm.eps for b in blocks}) == 1
+        table = (ctypes.c_void_p * (12 * len(blocks)))(*[p for b in blocks for p in _layer_ptrs(b)]) if ok else False
+        model._avx2_layers = table
+    a = model.args
+    if table is False or not _step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
+        return None
+    m = h.shape[0]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(h)
+    lib.agentmem_avx2_layers_q8(
+        h.data_ptr(), out.data_ptr(), a.n_layers, table, model.layers[0].input_norm.eps, cos.data_ptr(),
+        sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), int(pool.k.dtype == torch.float16),
+        slots.contiguous().data_ptr(), idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m,
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, torch.get_num_threads())
+    return out
+
+
 def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor,
              keep: torch.Tensor) -> torch.Tensor | None:
@@ -706,20 +796,9 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
     polynomial, within ~1e-7 of torch's). None where it does not take these (the caller runs the
     separate calls)."""
     a = block.args
-    m = h.shape[0]
+    m = h.shape[0] if h.dim() == 2 else 0
     w = keep.numel() // max(m, 1)
-    projs = (block.qkv_p, block.o_p, block.gate_up_p, block.down_p)
-    if not (h.dtype == torch.float32 and h.device.type == "cpu" and h.dim() == 2 and 0 < m <= MAX_ROWS
-            and h.is_contiguous() and _on_kernel(*projs) and block.gate_up_p.bias is None
-            and block.down_p.bias is None and _fp32_or_none(block.qkv_p.bias) and _fp32_or_none(block.o_p.bias)
-            and block.q_norm is None and block.input_norm.eps == block.post_norm.eps
-            and block.input_norm.weight.dtype == block.post_norm.weight.dtype == torch.float32
-            and a.sliding_window is None and a.head_dim % 16 == 0 and a.head_dim <= cpu_gemv.MAX_HEAD_DIM
-            and a.n_heads % a.n_kv_heads == 0 and cos.dtype == torch.float32 and cos.shape == (m, a.head_dim)
-            and k_pool.dtype == v_pool.dtype and k_pool.dtype in KV_DTYPES and k_pool.is_contiguous()
-            and v_pool.is_contiguous()
-            and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
-            and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous()):
+    if not (_step_takes(h, a.head_dim, cos, k_pool, v_pool, slots, idx, keep) and _block_takes(block)):
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = slots.contiguous()
