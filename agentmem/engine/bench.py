@@ -251,9 +251,10 @@ def perplexity(engine: Engine, ids: list[int]) -> tuple[float, torch.Tensor]:
 def decode_perplexity(engine: Engine, ids: list[int]) -> float:
     """Perplexity of `ids` read one token a forward over the KV of those before it, as decode
     reads them: the few-row products (the GEMV kernels and their int8 route, `int8_route`),
-    where `perplexity` goes through prefill's many-row ones."""
+    where `perplexity` goes through prefill's many-row ones, and the K/V held in the pool's
+    dtype (`kv_dtype`: fp16 under fp32 rows on the AVX2 route)."""
     t = torch.tensor(ids, device=engine.device)
-    kv = DenseKV(engine.model, len(t), engine.device, engine.dtype)
+    kv = DenseKV(engine.model, len(t), engine.device, engine.kv_dtype)
     with torch.inference_mode():
         logits = torch.cat([engine.model(t[i:i + 1], torch.arange(i, i + 1, device=engine.device),
                                          kv.backend(i, 1)).float() for i in range(len(t) - 1)])

@@ -150,6 +150,8 @@ class DenseKV:
             self.v[i][start:end] = v
             # from position 0 the keys are exactly these tokens; attend_chunk takes the window
             keys, values = (k_rot, v) if start == 0 else (self.k[i][:end], self.v[i][:end])
+            if keys.dtype != q.dtype:  # a cache held in another dtype (fp16 K/V under fp32 rows) is read widened
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             return attend_chunk(q, keys, values, start, self.window)
 
         return attn
