@@ -371,6 +371,21 @@ def test_cuda_graph_buckets_and_their_static_inputs():
     assert (tables[2:] == 40).all()  # padded rows read the scratch block only
 
 
+def _tiny_hd32(tmp_path_factory, name: str, seed: int):
+    """A tiny Llama checkpoint whose every projection the CPU kernels take (heads of 32, widths
+    of whole 32-output blocks)."""
+    from transformers import LlamaForCausalLM
+
+    tok = build_tokenizer("llama3")
+    path = tmp_path_factory.mktemp(name)
+    hf = LlamaForCausalLM(hf_config("LlamaConfig", len(tok), tok, hidden_size=128, intermediate_size=192,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    randomize(hf, seed=seed)
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.mark.skipif(not cpu_gemv.vnni(), reason="the fused decode layer runs on AVX512-VNNI (u8 route)")
 def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_factory, monkeypatch):
     """Decode rows of a bf16 model with int8 weights on the u8 route run each layer as one C call
@@ -378,17 +393,9 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     one stream equal those of the separate calls. (Several streams are not compared here: which
     of their tokens a step prefills and which it decodes depends on when each arrives, and the
     two products round differently; test_cpu_gemv compares a layer of several rows exactly.)"""
-    from transformers import LlamaForCausalLM
-
     from agentmem.engine import model as M
 
-    tok = build_tokenizer("llama3")
-    path = tmp_path_factory.mktemp("tiny-llama-hd32")
-    hf = LlamaForCausalLM(hf_config("LlamaConfig", len(tok), tok, hidden_size=128, intermediate_size=192,
-                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
-    randomize(hf, seed=4)
-    hf.save_pretrained(path)
-    tok.save_pretrained(path)
+    path = _tiny_hd32(tmp_path_factory, "tiny-llama-hd32", seed=4)
     monkeypatch.setattr(cpu_gemv, "q8_route", cpu_gemv.q8_route)  # restored after the test
     monkeypatch.setenv("AGENTMEM_GEMV_Q8", "u8")
     e = load(path, dtype="bfloat16", weights="int8", compile="off")
@@ -414,21 +421,13 @@ def test_an_fp32_engine_on_the_avx2_kernels_keeps_its_kv_in_fp16(tmp_path_factor
     fp16 (half the bytes a step reads), decode steps run their layers in one C call over it, and a prompt longer than a prefill chunk (its later chunks attend to the pool's
     fp16 K/V, widened) gives logits within fp16's rounding of an fp32 pool's, step by step. An
     explicit kv_dtype that the engine cannot read is refused."""
-    from transformers import LlamaForCausalLM
-
     from agentmem.engine.kernels import cpu_avx2
 
     if cpu_avx2.load() is None:
         pytest.skip(f"no AVX2 kernels: {cpu_avx2.why_not}")
     monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: fp32 rows take cpu_avx2
     monkeypatch.setattr(cpu_gemv, "_tried", True)
-    tok = build_tokenizer("llama3")
-    path = tmp_path_factory.mktemp("tiny-llama-avx2")
-    hf = LlamaForCausalLM(hf_config("LlamaConfig", len(tok), tok, hidden_size=128, intermediate_size=192,
-                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
-    randomize(hf, seed=5)
-    hf.save_pretrained(path)
-    tok.save_pretrained(path)
+    path = _tiny_hd32(tmp_path_factory, "tiny-llama-avx2", seed=5)
     e16 = load(path, dtype="float32", weights="int8", prefill_chunk=64, compile="off")
     e32 = load(path, dtype="float32", weights="int8", prefill_chunk=64, kv_dtype="float32", compile="off")
     assert e16.kv_dtype == torch.float16 and e32.kv_dtype == torch.float32

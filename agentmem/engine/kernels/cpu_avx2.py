@@ -704,12 +704,7 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
     """silu(g) * u of fp32 rows gu [N, 2I] (g = gu[:, :I], u = gu[:, I:]; each row contiguous) in
     one call: [N, I] fp32, the bits the fused layer computes (SiLU's exponential within ~1e-7 of
     torch's)."""
-    n, two_i = gu.shape
-    if gu.dtype != torch.float32 or gu.device.type != "cpu" or two_i % 2 or gu.stride(1) != 1:
-        raise ValueError(f"silu_mul: gu {gu.dtype} {tuple(gu.shape)} strides {gu.stride()}")
-    y = torch.empty(n, two_i // 2, dtype=torch.float32)
-    lib.agentmem_avx2_silu_mul_f32(gu.data_ptr(), gu.stride(0), y.data_ptr(), n, two_i // 2)
-    return y
+    return cpu_gemv.silu_rows(lib.agentmem_avx2_silu_mul_f32, torch.float32, gu)
 
 
 def _on_kernel(*projs) -> bool:

@@ -1826,11 +1826,17 @@ def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
     """silu(g) * u of bf16 rows gu [N, 2I] (g = gu[:, :I], u = gu[:, I:]; each row contiguous),
     as torch's two ops compute and round it, in one call: [N, I] bf16."""
+    return silu_rows(lib.agentmem_silu_mul_bf16, torch.bfloat16, gu)
+
+
+def silu_rows(fn: Callable[..., None], dtype: torch.dtype, gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u of rows gu [N, 2I] (`dtype` on the CPU, each row contiguous) by `fn` (a
+    library's `agentmem_*silu_mul*`) in one call: [N, I] of `dtype`."""
     n, two_i = gu.shape
-    if gu.dtype != torch.bfloat16 or gu.device.type != "cpu" or two_i % 2 or gu.stride(1) != 1:
+    if gu.dtype != dtype or gu.device.type != "cpu" or two_i % 2 or gu.stride(1) != 1:
         raise ValueError(f"silu_mul: gu {gu.dtype} {tuple(gu.shape)} strides {gu.stride()}")
-    y = torch.empty(n, two_i // 2, dtype=torch.bfloat16)
-    lib.agentmem_silu_mul_bf16(gu.data_ptr(), gu.stride(0), y.data_ptr(), n, two_i // 2)
+    y = torch.empty(n, two_i // 2, dtype=dtype)
+    fn(gu.data_ptr(), gu.stride(0), y.data_ptr(), n, two_i // 2)
     return y
 
 
