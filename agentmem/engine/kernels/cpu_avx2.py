@@ -17,8 +17,11 @@ Built once by the system's C compiler into the cache dir and loaded with ctypes
 (`cpu_gemv.load_once`), as the AVX-512 library is; without AVX2/FMA or a compiler, `load`
 returns None, says why, and int8 stays with torch's product.
 
-The same library holds fp32 RMSNorm, RoPE and decode attention; their Python wrappers are
-`cpu_gemv`'s, given this library's C functions and fp32.
+The same library holds fp32 RMSNorm, RoPE, SiLU x up and the paged decode attention (over an
+fp32 or an fp16 pool: `Engine.kv_dtype`), and a decoder layer of decode rows as one call
+(`layer_q8`) and every layer of a decode step as one call (`layers_q8`), built from the same
+functions so that they give the separate calls' bits; their Python wrappers are `cpu_gemv`'s,
+given this library's C functions and fp32.
 """
 
 from __future__ import annotations
@@ -616,14 +619,15 @@ why_not: str | None = None  # why the kernel is not in use, once `load` has been
 
 
 def cpu_ok() -> bool:
-    """AVX2 and FMA. The engine loads this library only for fp32 rows (`Engine.load`: on a CPU
-    with AVX512-BF16 it runs bf16 and `cpu_gemv`'s kernels), but it builds and runs on any."""
+    """AVX2, FMA and F16C (which every AVX2 CPU has: the fp16 pool's loads and stores). The engine
+    loads this library only for fp32 rows (`Engine.load`: on a CPU with AVX512-BF16 it runs bf16
+    and `cpu_gemv`'s kernels), but it builds and runs on any."""
     return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
     """The compiled kernel (built into `<cache_dir>/kernels` the first time), or None."""
-    return cpu_gemv.load_once(sys.modules[__name__], "gemv_avx2", cpu_ok, "AVX2/FMA", cache_dir)
+    return cpu_gemv.load_once(sys.modules[__name__], "gemv_avx2", cpu_ok, "AVX2/FMA/F16C", cache_dir)
 
 
 def loaded() -> ctypes.CDLL | None:
