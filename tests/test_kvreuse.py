@@ -513,3 +513,11 @@ def test_the_blend_buffers_are_reused_only_when_nothing_holds_the_last_ones():
     assert k4.data_ptr() != ptr and row.data_ptr() == ptr
     k5, _ = kv_buffers((2, 5, 3, 4), torch.bfloat16, cpu)  # another dtype: another buffer
     assert k5.dtype == torch.bfloat16
+    del k5, _
+    with torch.inference_mode():  # made in inference mode: not handed out of it, where it is read-only
+        k6, _ = kv_buffers((2, 5, 3, 4), torch.bfloat16, cpu)
+        assert k6.is_inference()
+    del k6, _
+    k7, _ = kv_buffers((2, 5, 3, 4), torch.bfloat16, cpu)
+    assert not k7.is_inference()
+    k7.fill_(1.0)

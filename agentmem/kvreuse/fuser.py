@@ -163,7 +163,9 @@ def kv_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
     buf = getattr(_BUFFERS, "kv", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < 2 * n or not _only_holder(buf):
+    if (buf is None or buf.dtype != dtype or buf.numel() < 2 * n or not _only_holder(buf)
+            or buf.is_inference() != torch.is_inference_mode_enabled()):  # an inference tensor is
+        # written in place only inside inference mode (and a normal one made there would be kept)
         buf = torch.empty(2 * n, dtype=dtype, device=device)
         _BUFFERS.kv = buf
     return buf[:n].view(shape), buf[n : 2 * n].view(shape)
