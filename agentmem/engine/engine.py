@@ -103,6 +103,9 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by setting name
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 is native on GPUs, and on CPUs with AVX512-BF16/AMX it halves the bytes a decode
@@ -111,10 +114,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         # AMX: oneDNN's bf16 GEMM at half sgemm's rate), prefill is widened, not the engine:
         # linear.resolve_rows_math and cpu_gemv.choose_rows_route measure that per machine.
         return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}, got {name!r}")
-    return dtypes[name]
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -195,9 +197,6 @@ class ChatText:
         if add_generation_prompt:
             segs.append(Segment(self.chat.generation_prefix, cacheable=False, tier="generation"))
         return segs
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
