@@ -496,6 +496,84 @@ void agentmem_avx2_silu_mul_f32(const float *gu, int64_t ld, float *y, int64_t N
     for (int64_t n = 0; n < N; n++) silu_mul_row(gu + n * ld, I, y + n * I);
 }
 
+/* Scratch of the layer functions below for M rows: quantized rows and their steps, the fp32
+   intermediates, and the attention's chunk sums (da_part, chunks of ch keys). Allocated once a
+   call: `agentmem_avx2_layers_q8` shares it across its layers. */
+typedef struct {
+    int16_t *xq;
+    float *xs, *nx, *qkv, *qk, *attn, *h2, *gu, *part;
+    int64_t ch;
+} LayerScratch;
+
+static LayerScratch layer_scratch(int64_t M, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int64_t W,
+                                  int threads) {
+    const int64_t QK = H + KV, NQKV = (QK + KV) * hd, HD = H * hd;
+    const int64_t K = D > HD ? (D > I ? D : I) : (HD > I ? HD : I);
+    LayerScratch t;
+    t.xq = (int16_t *)aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
+    t.xs = (float *)malloc(sizeof(float) * (size_t)M);
+    t.nx = (float *)malloc(sizeof(float) * (size_t)(M * D));
+    t.qkv = (float *)malloc(sizeof(float) * (size_t)(M * NQKV));
+    t.qk = (float *)malloc(sizeof(float) * (size_t)(M * QK * hd));
+    t.attn = (float *)malloc(sizeof(float) * (size_t)(M * HD));
+    t.h2 = (float *)malloc(sizeof(float) * (size_t)(M * D));
+    t.gu = (float *)malloc(sizeof(float) * (size_t)(M * 2 * I));
+    t.ch = da_chunk(M, W, threads);
+    t.part = da_part(M, W, H, hd, t.ch);
+    return t;
+}
+
+static void layer_scratch_free(LayerScratch *t) {
+    free(t->part); free(t->gu); free(t->h2); free(t->attn); free(t->qk); free(t->qkv); free(t->nx); free(t->xs);
+    free(t->xq);
+}
+
+/* For the calling team: one decoder layer of M decode rows (`agentmem_avx2_layer_q8` says what). */
+static void team_layer(const float *h, float *out, const float *nw1, const float *nw2, float eps,
+                       const int8_t *wqkv, const float *sqkv, const float *bqkv, const float *cs, const float *sn,
+                       void *kp, void *vp, int h16, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
+                       int64_t W, float scale, const int8_t *wo, const float *so, const float *bo,
+                       const int8_t *wgu, const float *sgu, const int8_t *wd, const float *sd, int64_t M,
+                       int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, const LayerScratch *t) {
+    const int64_t QK = H + KV, NQKV = (QK + KV) * hd, HD = H * hd, row = KV * hd;
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        agentmem_avx2_rms_norm_f32(h + m * D, D, nw1, t->nx + m * D, 1, D, eps);
+        quantize(t->nx + m * D, D, t->xq + m * D, t->xs + m);
+    }
+    team_groups(wqkv, sqkv, t->xq, t->xs, t->qkv, bqkv, NULL, M, NQKV, D);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *qkv = t->qkv + m * NQKV;
+        float *qk = t->qk + m * QK * hd;
+        agentmem_avx2_rope_f32(qkv, NQKV, cs + m * hd, sn + m * hd, qk, 1, QK, hd);
+        if (h16) {
+            to_f16(qk + HD, (uint16_t *)kp + wslot[m] * row, row);
+            to_f16(qkv + QK * hd, (uint16_t *)vp + wslot[m] * row, row);
+        } else {
+            memcpy((float *)kp + wslot[m] * row, qk + HD, sizeof(float) * (size_t)row);
+            memcpy((float *)vp + wslot[m] * row, qkv + QK * hd, sizeof(float) * (size_t)row);
+        }
+    }
+    team_decode_attn(t->qk, QK * hd, kp, vp, idx, keep, t->attn, HD, M, H, KV, hd, W, scale, t->ch, t->part, h16);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize(t->attn + m * HD, HD, t->xq + m * HD, t->xs + m);
+    team_groups(wo, so, t->xq, t->xs, t->h2, bo, h, M, D, HD);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        agentmem_avx2_rms_norm_f32(t->h2 + m * D, D, nw2, t->nx + m * D, 1, D, eps);
+        quantize(t->nx + m * D, D, t->xq + m * D, t->xs + m);
+    }
+    team_groups(wgu, sgu, t->xq, t->xs, t->gu, NULL, NULL, M, 2 * I, D);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *gu = t->gu + m * 2 * I;
+        silu_mul_row(gu, I, gu);  /* in place: y[i..i+8) is written after gu[i..i+8) and gu[I+i..) are read */
+        quantize(gu, I, t->xq + m * I, t->xs + m);
+    }
+    team_groups(wd, sd, t->xq, t->xs, out, NULL, t->h2, M, D, I);  /* ends in the team's barrier */
+}
+
 /* A whole decoder layer for M decode rows (one query each) of fp32 hidden states h [M, D], every
    product int8 on this kernel (packed by cpu_gemv.pack, fp32 scales, optional fp32 biases of qkv
    and o), in one call and one team of threads instead of about fifteen calls and five teams:
@@ -512,79 +590,38 @@ void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const 
                             int64_t W, float scale, const int8_t *wo, const float *so, const float *bo,
                             const int8_t *wgu, const float *sgu, const int8_t *wd, const float *sd, int64_t M,
                             int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
-    const int64_t QK = H + KV, NQKV = (QK + KV) * hd, HD = H * hd, row = KV * hd;
-    const int64_t K = D > HD ? (D > I ? D : I) : (HD > I ? HD : I);
-    int16_t *xq = (int16_t *)aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
-    float *nx = (float *)malloc(sizeof(float) * (size_t)(M * D));
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)(M * NQKV));
-    float *qk = (float *)malloc(sizeof(float) * (size_t)(M * QK * hd));
-    float *attn = (float *)malloc(sizeof(float) * (size_t)(M * HD));
-    float *h2 = (float *)malloc(sizeof(float) * (size_t)(M * D));
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(M * 2 * I));
-    const int64_t ch = da_chunk(M, W, threads);
-    float *part = da_part(M, W, H, hd, ch);
+    LayerScratch t = layer_scratch(M, D, H, KV, hd, I, W, threads);
     #pragma omp parallel num_threads(threads)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            agentmem_avx2_rms_norm_f32(h + m * D, D, nw1, nx + m * D, 1, D, eps);
-            quantize(nx + m * D, D, xq + m * D, xs + m);
-        }
-        team_groups(wqkv, sqkv, xq, xs, qkv, bqkv, NULL, M, NQKV, D);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            agentmem_avx2_rope_f32(qkv + m * NQKV, NQKV, cs + m * hd, sn + m * hd, qk + m * QK * hd, 1, QK, hd);
-            if (h16) {
-                to_f16(qk + m * QK * hd + HD, (uint16_t *)kp + wslot[m] * row, row);
-                to_f16(qkv + m * NQKV + QK * hd, (uint16_t *)vp + wslot[m] * row, row);
-            } else {
-                memcpy((float *)kp + wslot[m] * row, qk + m * QK * hd + HD, sizeof(float) * (size_t)row);
-                memcpy((float *)vp + wslot[m] * row, qkv + m * NQKV + QK * hd, sizeof(float) * (size_t)row);
-            }
-        }
-        team_decode_attn(qk, QK * hd, kp, vp, idx, keep, attn, HD, M, H, KV, hd, W, scale, ch, part, h16);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize(attn + m * HD, HD, xq + m * HD, xs + m);
-        team_groups(wo, so, xq, xs, h2, bo, h, M, D, HD);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            agentmem_avx2_rms_norm_f32(h2 + m * D, D, nw2, nx + m * D, 1, D, eps);
-            quantize(nx + m * D, D, xq + m * D, xs + m);
-        }
-        team_groups(wgu, sgu, xq, xs, gu, NULL, NULL, M, 2 * I, D);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            silu_mul_row(gu + m * 2 * I, I, gu + m * 2 * I);  /* in place: y[i..i+8) is written after gu[i..i+8) and gu[I+i..) are read */
-            quantize(gu + m * 2 * I, I, xq + m * I, xs + m);
-        }
-        team_groups(wd, sd, xq, xs, out, NULL, h2, M, D, I);
-    }
-    free(part); free(gu); free(h2); free(attn); free(qk); free(qkv); free(nx); free(xs); free(xq);
+    team_layer(h, out, nw1, nw2, eps, wqkv, sqkv, bqkv, cs, sn, kp, vp, h16, wslot, idx, keep, W, scale, wo, so, bo,
+               wgu, sgu, wd, sd, M, D, H, KV, hd, I, &t);
+    layer_scratch_free(&t);
 }
 
-/* Every layer of a decode step in one call: `agentmem_avx2_layer_q8` for layers 0..L-1 in turn,
-   each from the last one's output (two scratch rows ping-pong; the last layer writes out). Layer
-   l's weights are w[l * LAYER_PTRS + j] in the order of `agentmem_avx2_layer_q8`'s arguments
-   (nw1, nw2, wqkv, sqkv, bqkv, wo, so, bo, wgu, sgu, wd, sd; a bias may be NULL), its pool K/V
-   at kp/vp + l * pstride elements (fp16 where h16). */
+/* Every layer of a decode step in one call and one team of threads: `team_layer` for layers
+   0..L-1 in turn (the scratch allocated once), each from the last one's output (two rows of
+   buffers ping-pong; the last layer writes out). Layer l's weights are w[l * LAYER_PTRS + j] in
+   the order of `agentmem_avx2_layer_q8`'s arguments (nw1, nw2, wqkv, sqkv, bqkv, wo, so, bo,
+   wgu, sgu, wd, sd; a bias may be NULL), its pool K/V at kp/vp + l * pstride elements (fp16
+   where h16). */
 #define LAYER_PTRS 12
 void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const *w, float eps, const float *cs,
                              const float *sn, void *kp, void *vp, int64_t pstride, int h16, const int64_t *wslot,
                              const int64_t *idx, const uint8_t *keep, int64_t W, float scale, int64_t M, int64_t D,
                              int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+    LayerScratch t = layer_scratch(M, D, H, KV, hd, I, W, threads);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * M * D));
     const int64_t es = h16 ? 2 : 4;
-    const float *x = h;
-    for (int64_t l = 0; l < L; l++) {
+    #pragma omp parallel num_threads(threads)
+    for (int64_t l = 0; l < L; l++) {  /* every thread walks the same layers; team_layer's barriers order them */
         void *const *p = w + l * LAYER_PTRS;
+        const float *x = l == 0 ? h : buf + ((l - 1) & 1) * M * D;
         float *y = l == L - 1 ? out : buf + (l & 1) * M * D;
-        agentmem_avx2_layer_q8(x, y, p[0], p[1], eps, p[2], p[3], p[4], cs, sn, (char *)kp + l * pstride * es,
-                               (char *)vp + l * pstride * es, h16, wslot, idx, keep, W, scale, p[5], p[6], p[7],
-                               p[8], p[9], p[10], p[11], M, D, H, KV, hd, I, threads);
-        x = y;
+        team_layer(x, y, p[0], p[1], eps, p[2], p[3], p[4], cs, sn, (char *)kp + l * pstride * es,
+                   (char *)vp + l * pstride * es, h16, wslot, idx, keep, W, scale, p[5], p[6], p[7], p[8], p[9],
+                   p[10], p[11], M, D, H, KV, hd, I, &t);
     }
     free(buf);
+    layer_scratch_free(&t);
 }
 """.replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C)
 
