@@ -638,6 +638,76 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
     assert not torch.equal(pool.k, k0)  # the rows' keys were written
 
 
+@needs_vnni
+def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch):
+    """`Transformer.forward` of bf16 decode rows over a paged pool, every weight int8 on the u8
+    route, runs every layer in one C call (`layers_q8u8`): the same logits and the same K/V in
+    every layer's pool as the layers one by one (each a `layer_q8u8` call), for one row and for
+    several of different lengths; a model whose layers the call does not take (a q/k norm,
+    Qwen3's) runs them one by one."""
+    from types import SimpleNamespace
+
+    from agentmem.engine import model as M
+
+    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    args = M.ModelArgs(vocab_size=96, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
+    torch.manual_seed(5)
+    model = M.Transformer(args).to(torch.bfloat16)
+    for blk in model.layers:
+        blk.input_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
+        blk.fuse()
+    model.pack("int8")
+    g = torch.Generator().manual_seed(5)
+    k0, v0 = (torch.randn(3, 96, 2, 32, generator=g).bfloat16() for _ in range(2))  # [layers, slots, KV, hd]
+    whole, per_layer = [], []
+    real_all, real_one = cpu_gemv.layers_q8u8, cpu_gemv.layer_q8u8
+    monkeypatch.setattr(cpu_gemv, "layers_q8u8",
+                        lambda *a: (out := real_all(*a)) is not None and whole.append(1) or out)
+    monkeypatch.setattr(cpu_gemv, "layer_q8u8",
+                        lambda *a: (out := real_one(*a)) is not None and per_layer.append(1) or out)
+
+    def run(lens: list[int], fused: bool):
+        perm, rows_slots, at = torch.randperm(96, generator=torch.Generator().manual_seed(len(lens))), [], 0
+        for n in lens:
+            rows_slots.append(perm[at:at + n].tolist())
+            at += n
+        width = max(lens)
+        idx = torch.tensor([s + s[:1] * (width - len(s)) for s in rows_slots]).flatten().contiguous()
+        keep = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in rows_slots], dtype=torch.uint8)
+        slots = torch.tensor([s[-1] for s in rows_slots])
+        ids = torch.arange(len(lens)) * 7 % 96
+        pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
+
+        def attn(i, q, k_raw, k_rot, v):
+            raise AssertionError("decode rows over the pool attend inside the C calls")
+
+        attn.decode_pool = (pool, slots, idx, keep)
+        kept = model._u8_layers
+        if not fused:  # the layers one by one: a table that says "not taken"
+            model._u8_layers = False
+        try:
+            return model(ids, torch.tensor([n - 1 for n in lens]), attn), pool
+        finally:
+            if not fused:
+                model._u8_layers = kept
+
+    for lens in ([12], [5, 17, 9, 2]):
+        whole.clear(), per_layer.clear()
+        (one_call, p1), (layers, p2) = run(lens, True), run(lens, False)
+        assert whole == [1] and per_layer == [1, 1, 1]
+        assert torch.equal(one_call, layers) and torch.equal(p1.k, p2.k) and torch.equal(p1.v, p2.v)
+        assert not torch.equal(p1.k, k0)  # the rows' keys were written, in every layer
+        assert all(not torch.equal(p1.k[i], k0[i]) for i in range(3))
+    model.layers[1].q_norm = M.RMSNorm(32, 1e-5).to(torch.bfloat16)  # Qwen3-style: not taken
+    model.layers[1].k_norm = M.RMSNorm(32, 1e-5).to(torch.bfloat16)
+    model.pack("int8")  # resets the table of pointers
+    assert model._u8_layers is None
+    whole.clear()
+    with pytest.raises(AssertionError, match="attend inside"):  # layer 1 runs its separate calls
+        run([4], True)
+    assert whole == [] and model._u8_layers is False
+
+
 @pytest.fixture(scope="module")
 def amx_lib(lib):
     if not cpu_gemv.amx_usable(lib):

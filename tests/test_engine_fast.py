@@ -388,8 +388,9 @@ def _tiny_hd32(tmp_path_factory, name: str, seed: int):
 
 @pytest.mark.skipif(not cpu_gemv.vnni(), reason="the fused decode layer runs on AVX512-VNNI (u8 route)")
 def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_factory, monkeypatch):
-    """Decode rows of a bf16 model with int8 weights on the u8 route run each layer as one C call
-    (norm, qkv, RoPE, the K/V write into the paged pool, attention, the MLP): 64 greedy tokens of
+    """Decode rows of a bf16 model with int8 weights on the u8 route run every layer of a step in
+    one C call (norm, qkv, RoPE, the K/V write into the paged pool, attention, the MLP, layer
+    after layer: `layers_q8u8`): 64 greedy tokens of
     one stream equal those of the separate calls. (Several streams are not compared here: which
     of their tokens a step prefills and which it decodes depends on when each arrives, and the
     two products round differently; test_cpu_gemv compares a layer of several rows exactly.)"""
@@ -403,9 +404,9 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
         pytest.skip(f"no bf16 kernels: {cpu_gemv.why_not}")
     assert e.model.layers[0].o_p.q8_route == "u8"
     fused_rows = []
-    real = cpu_gemv.layer_q8u8
-    monkeypatch.setattr(cpu_gemv, "layer_q8u8",
-                        lambda lib, block, h, *a: (out := real(lib, block, h, *a)) is not None
+    real = cpu_gemv.layers_q8u8
+    monkeypatch.setattr(cpu_gemv, "layers_q8u8",
+                        lambda lib, model, h, *a: (out := real(lib, model, h, *a)) is not None
                         and fused_rows.append(h.shape[0]) or out)
     one = [ids(30, seed=1)]
     got_one = drive(e, EngineLoop(e), one, 64)

@@ -204,6 +204,7 @@ class Transformer(nn.Module):
         self.head_p: Proj | None = None
         self.weights = "fp32"
         self._avx2_layers = None  # cpu_avx2.layers_q8's table of the layers' weights (built at first use)
+        self._u8_layers = None  # cpu_gemv.layers_q8u8's table, the same for bf16 rows on the u8 route
 
     def pack(self, fmt: str) -> None:
         """Put every projection and the LM head in weight format `fmt` (see linear.py). The
@@ -211,6 +212,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.pack(fmt)
         self._avx2_layers = None  # the AVX2 decode step's table of weight pointers (cpu_avx2.layers_q8)
+        self._u8_layers = None  # the bf16 u8 route's (cpu_gemv.layers_q8u8)
         self.head_p = Proj(self.lm_head.weight, None, fmt, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
 
@@ -242,12 +244,16 @@ class Transformer(nn.Module):
         h = self.embed_tokens(ids)
         cos_sin = self.rotary.cos_sin(positions)
         out = None
-        if (h.dtype == torch.float32 and h.shape[0] <= cpu_avx2.MAX_ROWS and FUSED_DECODE
-                and (paged := getattr(attn, "decode_pool", None)) is not None
-                and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
+        paged = getattr(attn, "decode_pool", None) if FUSED_DECODE and not torch.compiler.is_compiling() else None
+        if paged is not None and h.dtype == torch.float32 and h.shape[0] <= cpu_avx2.MAX_ROWS \
+                and (lib := cpu_avx2.loaded()):
             # fp32 decode rows on the AVX2 int8 route: every layer in one C call (the per-layer
             # call below, without Python between the layers)
             out = cpu_avx2.layers_q8(lib, self, h, *cos_sin, *paged)
+        elif paged is not None and h.dtype == torch.bfloat16 and h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS \
+                and (lib := cpu_gemv.loaded()):
+            # bf16 decode rows on the u8 route (AVX-512 VNNI): the same, one call for all layers
+            out = cpu_gemv.layers_q8u8(lib, self, h, *cos_sin, *paged)
         if out is not None:
             h = out
         else:

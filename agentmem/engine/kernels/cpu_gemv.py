@@ -1073,11 +1073,31 @@ void agentmem_finish_q8u8(const uint16_t *a, int64_t lda, const uint16_t *h, uin
     scratch_free(&t);
 }
 
-/* A whole decoder layer for M <= 8 decode rows (one query each) on the u8 route, in one call
-   and one team of threads: `team_qkv`; each row's rotated k and its v written to the paged
-   pool at wslot[m] (kp/vp: this layer's pool, [slots, KV, hd]); the decode attention of each
-   row over its keys (idx/keep [M, W], as `agentmem_decode_attn_bf16`: `team_decode_attn`);
-   `team_finish`. Bit-identical to the separate calls. */
+/* A whole decoder layer for M <= 8 decode rows (one query each) on the u8 route, for the calling
+   team of threads: `team_qkv`; each row's rotated k and its v written to the paged pool at
+   wslot[m] (kp/vp: this layer's pool, [slots, KV, hd]); the decode attention of each row over its
+   keys (idx/keep [M, W], as `agentmem_decode_attn_bf16`: `team_decode_attn`, its item buffer
+   `part` for chunks of ch keys); `team_finish`. Ends on the barrier of its last `omp for`. */
+__attribute__((target("avx512vnni")))
+static void team_layer_u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, const uint16_t *nw2, float eps,
+                          const uint8_t *wqkv, const float *sqkv, const float *cs, const float *sn,
+                          uint16_t *kp, uint16_t *vp, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
+                          int64_t W, float scale, const uint8_t *wo, const float *so, const uint8_t *wgu,
+                          const float *sgu, const uint8_t *wd, const float *sd, int64_t M, int64_t D, int64_t H,
+                          int64_t KV, int64_t hd, int64_t I, int64_t ch, float *part, Scratch *t) {
+    const int64_t NQKV = (H + 2 * KV) * hd, QK = H + KV, row = KV * hd;
+    team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t->qkv, t->qk, M, D, NQKV, QK, hd, t);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(kp + wslot[m] * row, t->qk + m * QK * hd + H * hd, 2 * (size_t)row);
+        memcpy(vp + wslot[m] * row, t->qkv + m * NQKV + QK * hd, 2 * (size_t)row);
+    }
+    team_decode_attn(t->qk, QK * hd, kp, vp, idx, keep, t->attn, H * hd, M, H, KV, hd, W, scale, ch, part);
+    team_finish(t->attn, H * hd, h, out, wo, so, nw2, eps, wgu, sgu, wd, sd, M, H * hd, D, I, t);
+}
+
+/* A whole decoder layer (`team_layer_u8`) in one call and one team of threads, bit-identical to
+   the separate calls. */
 __attribute__((target("avx512vnni")))
 void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, const uint16_t *nw2, float eps,
                          const uint8_t *wqkv, const float *sqkv, const float *cs, const float *sn,
@@ -1085,21 +1105,42 @@ void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, 
                          int64_t W, float scale, const uint8_t *wo, const float *so, const uint8_t *wgu,
                          const float *sgu, const uint8_t *wd, const float *sd, int64_t M, int64_t D, int64_t H,
                          int64_t KV, int64_t hd, int64_t I, int threads) {
-    const int64_t NQKV = (H + 2 * KV) * hd, QK = H + KV, row = KV * hd;
-    Scratch t = scratch_new(M, max3(H * hd, D, I), I, NQKV);
+    Scratch t = scratch_new(M, max3(H * hd, D, I), I, (H + 2 * KV) * hd);
     const int64_t ch = da_chunk(M, W, threads);
     float *part = da_part(M, W, H, hd, ch);
     #pragma omp parallel num_threads(threads)
-    {
-        team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t.qkv, t.qk, M, D, NQKV, QK, hd, &t);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            memcpy(kp + wslot[m] * row, t.qk + m * QK * hd + H * hd, 2 * (size_t)row);
-            memcpy(vp + wslot[m] * row, t.qkv + m * NQKV + QK * hd, 2 * (size_t)row);
-        }
-        team_decode_attn(t.qk, QK * hd, kp, vp, idx, keep, t.attn, H * hd, M, H, KV, hd, W, scale, ch, part);
-        team_finish(t.attn, H * hd, h, out, wo, so, nw2, eps, wgu, sgu, wd, sd, M, H * hd, D, I, &t);
+    team_layer_u8(h, out, nw1, nw2, eps, wqkv, sqkv, cs, sn, kp, vp, wslot, idx, keep, W, scale, wo, so, wgu, sgu,
+                  wd, sd, M, D, H, KV, hd, I, ch, part, &t);
+    free(part);
+    scratch_free(&t);
+}
+
+/* Every layer of a decode step in one call and one team of threads: `team_layer_u8` for layers
+   0..L-1 in turn, the scratch and the attention's item buffer allocated once, each layer from
+   the last one's output (two rows of buffers ping-pong; the last layer writes out). Layer l's
+   weights are w[l * U8_LAYER_PTRS + j] in the order of `agentmem_layer_q8u8`'s arguments (nw1,
+   nw2, wqkv, sqkv, wo, so, wgu, sgu, wd, sd), its pool K/V at kp/vp + l * pstride elements.
+   Bit-identical to the layers one by one: the per-layer call's work, without a team started, nine
+   buffers allocated and a Python call made 30 times a step. */
+#define U8_LAYER_PTRS 10
+__attribute__((target("avx512vnni")))
+void agentmem_layers_q8u8(const uint16_t *h, uint16_t *out, int64_t L, void *const *w, float eps,
+                          const float *cs, const float *sn, uint16_t *kp, uint16_t *vp, int64_t pstride,
+                          const int64_t *wslot, const int64_t *idx, const uint8_t *keep, int64_t W, float scale,
+                          int64_t M, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+    Scratch t = scratch_new(M, max3(H * hd, D, I), I, (H + 2 * KV) * hd);
+    const int64_t ch = da_chunk(M, W, threads);
+    float *part = da_part(M, W, H, hd, ch);
+    uint16_t *buf = (uint16_t *)malloc(2 * (size_t)(2 * M * D));
+    #pragma omp parallel num_threads(threads)
+    for (int64_t l = 0; l < L; l++) {  /* every thread walks the same layers; the layer's barriers order them */
+        void *const *p = w + l * U8_LAYER_PTRS;
+        const uint16_t *x = l == 0 ? h : buf + ((l - 1) & 1) * M * D;
+        uint16_t *y = l == L - 1 ? out : buf + (l & 1) * M * D;
+        team_layer_u8(x, y, p[0], p[1], eps, p[2], p[3], cs, sn, kp + l * pstride, vp + l * pstride, wslot, idx,
+                      keep, W, scale, p[4], p[5], p[6], p[7], p[8], p[9], M, D, H, KV, hd, I, ch, part, &t);
     }
+    free(buf);
     free(part);
     scratch_free(&t);
 }
@@ -1492,6 +1533,8 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_layer_q8u8": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I,
                             ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I32],
     "agentmem_finish_q8u8": [_P, _I, _P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I, _I, _I32],
+    "agentmem_layers_q8u8": [_P, _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float]
+                            + [_I] * 6 + [_I32],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -1898,6 +1941,31 @@ def finish_q8u8(lib: ctypes.CDLL, h: torch.Tensor, attn: torch.Tensor, o, gate_u
     return out
 
 
+def _u8_block_takes(block) -> bool:
+    """The parts of `layer_q8u8`'s conditions that depend on the block alone (its weights'
+    formats and options): what `layers_q8u8` checks once per model."""
+    a = block.args
+    return (_on_u8(block.qkv_p, block.o_p, block.gate_up_p, block.down_p) and block.q_norm is None
+            and block.input_norm.eps == block.post_norm.eps
+            and block.input_norm.weight.dtype == block.post_norm.weight.dtype == torch.bfloat16
+            and block.input_norm.weight.is_contiguous() and block.post_norm.weight.is_contiguous()
+            and a.sliding_window is None and a.head_dim % 32 == 0 and a.head_dim <= MAX_HEAD_DIM
+            and a.n_heads % a.n_kv_heads == 0 and a.n_heads // a.n_kv_heads <= MAX_GROUP)
+
+
+def _u8_step_takes(h: torch.Tensor, hd: int, cos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   slots: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> bool:
+    """The parts that depend on the step: 1 to MAX_FINISH_ROWS contiguous bf16 decode rows, fp32
+    RoPE tables [M, hd], a contiguous bf16 pool, and the rows' slot tables."""
+    m = h.shape[0] if h.dim() == 2 else 0
+    w = keep.numel() // max(m, 1)
+    return (h.dtype == torch.bfloat16 and h.device.type == "cpu" and 0 < m <= MAX_FINISH_ROWS and h.is_contiguous()
+            and cos.dtype == torch.float32 and cos.shape == (m, hd)
+            and k_pool.dtype == v_pool.dtype == torch.bfloat16 and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
+            and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous())
+
+
 def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor,
                keep: torch.Tensor) -> torch.Tensor | None:
@@ -1908,16 +1976,9 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
     bit-identical to the separate calls. None where it does not take these (the caller runs
     the separate calls)."""
     a = block.args
-    m = h.shape[0]
+    m = h.shape[0] if h.dim() == 2 else 0
     w = keep.numel() // max(m, 1)
-    if not (qkv_takes(h, block.qkv_p, block.input_norm.weight, cos, a.head_dim)
-            and block.q_norm is None and block.input_norm.eps == block.post_norm.eps
-            and _on_u8(block.o_p, block.gate_up_p, block.down_p)
-            and block.post_norm.weight.dtype == torch.bfloat16 and a.sliding_window is None
-            and k_pool.dtype == v_pool.dtype == torch.bfloat16 and k_pool.is_contiguous() and v_pool.is_contiguous()
-            and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
-            and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous()
-            and a.head_dim <= MAX_HEAD_DIM and a.n_heads // a.n_kv_heads <= MAX_GROUP):
+    if not (_u8_step_takes(h, a.head_dim, cos, k_pool, v_pool, slots, idx, keep) and _u8_block_takes(block)):
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = slots.contiguous()
@@ -1930,6 +1991,43 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
                             block.gate_up_p.w_gemv.data_ptr(), block.gate_up_p.scale.data_ptr(),
                             block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m, h.shape[1],
                             a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, torch.get_num_threads())
+    return out
+
+
+def _u8_layer_ptrs(block) -> list[int]:
+    """A block's weights in `agentmem_layer_q8u8`'s order (U8_LAYER_PTRS of them)."""
+    q, o, gu, d = block.qkv_p, block.o_p, block.gate_up_p, block.down_p
+    return [block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr(), q.w_gemv.data_ptr(),
+            q.scale.data_ptr(), o.w_gemv.data_ptr(), o.scale.data_ptr(), gu.w_gemv.data_ptr(), gu.scale.data_ptr(),
+            d.w_gemv.data_ptr(), d.scale.data_ptr()]
+
+
+def layers_q8u8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool,
+                slots: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """Every decoder layer of a decode step (`Transformer.forward`'s loop) in one C call
+    (`agentmem_layers_q8u8`: `layer_q8u8` a layer, one team of threads and one scratch for the
+    step, no Python between the layers): bf16 rows h [M, D] in, the last layer's out; pool: the
+    runner's KVPool (k/v [L, slots, KV, hd]). The table of the layers' weight pointers is built
+    once a model (`model._u8_layers`, reset by `pack`); None where a layer or the step is not
+    taken (the caller runs the layers one by one). Bit-identical to them."""
+    table = getattr(model, "_u8_layers", None)
+    if table is None:
+        blocks = list(model.layers)
+        ok = (bool(blocks) and all(_u8_block_takes(b) for b in blocks)
+              and len({b.input_norm.eps for b in blocks}) == 1)
+        table = (ctypes.c_void_p * (10 * len(blocks)))(*[p for b in blocks for p in _u8_layer_ptrs(b)]) if ok else False
+        model._u8_layers = table
+    a = model.args
+    if table is False or not _u8_step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
+        return None
+    m = h.shape[0]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(h)
+    lib.agentmem_layers_q8u8(
+        h.data_ptr(), out.data_ptr(), a.n_layers, table, model.layers[0].input_norm.eps, cos.data_ptr(),
+        sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), slots.contiguous().data_ptr(),
+        idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m, h.shape[1], a.n_heads,
+        a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, torch.get_num_threads())
     return out
 
 
