@@ -435,6 +435,9 @@ def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
     assert out["model"] == tiny.path.name and out["max_logit_err"] <= 1e-4
     assert type(tiny.hf).__name__ in out["peer"] and out["prefill_tok_s"] > 0
     assert out["decode_long_tok_s"] > 0 and out["hf_decode_long_tok_s"] > 0
+    # int8's decode: the same figure when int8 is the format chosen, else its own engine's runs
+    assert out["decode_tok_s_int8"] > 0
+    assert (out["decode_tok_s_int8"] == out["decode_tok_s"]) == (out["weights"] == "int8")
     # one token a forward over the KV before it reads the text as one forward over all of it
     assert out["decode_perplexity"]["fp32"] == pytest.approx(out["perplexity"]["fp32"], rel=1e-3)
     assert out["decode_perplexity"]["int8"] == pytest.approx(out["perplexity"]["int8"], rel=0.05)
