@@ -266,6 +266,7 @@ class Engine(ChatText):
                                   rows_math)
         if weights != model.weights:
             model.pack(weights)
+        model.gather_weights()
         model.set_rows_math(rows_math)
         if device.type == "cpu" and dtype == torch.bfloat16 and a.sliding_window is None:
             cpu_gemv.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)

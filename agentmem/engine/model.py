@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hugepages
 from .kernels import cpu_avx2, cpu_gemv
 from .layers import AttnBackend, RMSNorm, Rotary
 from .linear import Proj
@@ -204,6 +205,7 @@ class Transformer(nn.Module):
         self.head_p: Proj | None = None
         self.weights = "fp32"
         self._avx2_layers = None  # cpu_avx2.layers_q8's table of the layers' weights (built at first use)
+        self._weights_arena = None  # the projections' GEMV layouts in huge pages (set by `pack`)
         self._u8_layers = None  # cpu_gemv.layers_q8u8's table, the same for bf16 rows on the u8 route
 
     def pack(self, fmt: str) -> None:
@@ -215,6 +217,13 @@ class Transformer(nn.Module):
         self._u8_layers = None  # the bf16 u8 route's (cpu_gemv.layers_q8u8)
         self.head_p = Proj(self.lm_head.weight, None, fmt, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
+        self._weights_arena = None  # the layouts are new: `gather_weights` again
+
+    def gather_weights(self) -> None:
+        """Move what decode streams (the projections' GEMV layouts), in the order it reads it,
+        into one block of huge pages (hugepages.py); Engine.load calls it after the last `pack`."""
+        self._u8_layers = self._avx2_layers = None  # their tables hold the old pointers
+        self._weights_arena = hugepages.gather_weights(self)
 
     def projections(self) -> list[Proj]:
         out = [p for layer in self.layers for p in (layer.qkv_p, layer.o_p, layer.gate_up_p, layer.down_p)]
