@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _paged import paged_rows
 
 from agentmem.engine.kernels import cpu_avx2, cpu_gemv
 from agentmem.engine.linear import Proj
@@ -208,22 +209,6 @@ def test_silu_mul_matches_torch(lib):
         cpu_avx2.silu_mul(lib, gu.bfloat16())
 
 
-def _paged_rows(lens: list[int], layers: int, n_slots: int, kv: torch.dtype, g: torch.Generator):
-    """A paged pool (K and V [layers, n_slots, 2 KV heads, 32] in `kv`, random) and decode rows of
-    `lens` keys each, scattered over its slots, the new key last: (k, v, idx [rows * width] flat
-    slots padded with each row's first, keep [rows, width] uint8, slots [rows] of the new keys)."""
-    k0, v0 = (torch.randn(layers, n_slots, 2, 32, generator=g).to(kv) for _ in range(2))
-    perm = torch.randperm(n_slots, generator=g)
-    rows_slots, at = [], 0
-    for n in lens:
-        rows_slots.append(perm[at:at + n].tolist())
-        at += n
-    width = max(lens)
-    idx = torch.tensor([s + s[:1] * (width - len(s)) for s in rows_slots]).flatten().contiguous()
-    keep = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in rows_slots], dtype=torch.uint8)
-    return k0, v0, idx, keep, torch.tensor([s[-1] for s in rows_slots])
-
-
 @pytest.mark.parametrize("lens,bias,kv", [([5, 17, 9], False, torch.float32), ([12], False, torch.float32),
                                          ([3, 30, 8, 1, 22, 14], True, torch.float32),
                                          ([5, 17, 9], False, torch.float16), ([3, 30, 8, 1, 22, 14], True, torch.float16)])
@@ -249,7 +234,7 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     block.pack("int8")
     assert block.o_p.q8_route == "avx2"
     g = torch.Generator().manual_seed(len(lens))
-    k0, v0, idx, keep, slots = _paged_rows(lens, 2, 128, kv, g)
+    k0, v0, idx, keep, slots = paged_rows(lens, 2, 128, kv, g)
     h, pos = torch.randn(len(lens), 128, generator=g), torch.tensor([n - 1 for n in lens])
     rotary = Rotary(32, 10000.0, 512)
     fused_pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
@@ -301,7 +286,7 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
     model.pack("int8")
     g = torch.Generator().manual_seed(3)
     lens = [7, 20, 11, 3]
-    k0, v0, idx, keep, slots = _paged_rows(lens, 3, 96, kv, g)
+    k0, v0, idx, keep, slots = paged_rows(lens, 3, 96, kv, g)
     ids, pos = torch.randint(0, 96, (4,), generator=g), torch.tensor([n - 1 for n in lens])
     calls = []
     real = cpu_avx2.layers_q8

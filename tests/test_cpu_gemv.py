@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from _paged import paged_rows
 
 from agentmem.engine.kernels import cpu_gemv
 from agentmem.engine.linear import Proj, onednn_bf16
@@ -657,24 +658,18 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch)
         blk.input_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
         blk.fuse()
     model.pack("int8")
-    g = torch.Generator().manual_seed(5)
-    k0, v0 = (torch.randn(3, 96, 2, 32, generator=g).bfloat16() for _ in range(2))  # [layers, slots, KV, hd]
     whole, per_layer = [], []
     real_all, real_one = cpu_gemv.layers_q8u8, cpu_gemv.layer_q8u8
     monkeypatch.setattr(cpu_gemv, "layers_q8u8",
                         lambda *a: (out := real_all(*a)) is not None and whole.append(1) or out)
     monkeypatch.setattr(cpu_gemv, "layer_q8u8",
                         lambda *a: (out := real_one(*a)) is not None and per_layer.append(1) or out)
+    tables = {}
 
     def run(lens: list[int], fused: bool):
-        perm, rows_slots, at = torch.randperm(96, generator=torch.Generator().manual_seed(len(lens))), [], 0
-        for n in lens:
-            rows_slots.append(perm[at:at + n].tolist())
-            at += n
-        width = max(lens)
-        idx = torch.tensor([s + s[:1] * (width - len(s)) for s in rows_slots]).flatten().contiguous()
-        keep = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in rows_slots], dtype=torch.uint8)
-        slots = torch.tensor([s[-1] for s in rows_slots])
+        if tuple(lens) not in tables:  # the same pool and rows for both ways
+            tables[tuple(lens)] = paged_rows(lens, 3, 96, torch.bfloat16, torch.Generator().manual_seed(len(lens)))
+        k0, v0, idx, keep, slots = tables[tuple(lens)]
         ids = torch.arange(len(lens)) * 7 % 96
         pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
 
@@ -696,8 +691,8 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch)
         (one_call, p1), (layers, p2) = run(lens, True), run(lens, False)
         assert whole == [1] and per_layer == [1, 1, 1]
         assert torch.equal(one_call, layers) and torch.equal(p1.k, p2.k) and torch.equal(p1.v, p2.v)
-        assert not torch.equal(p1.k, k0)  # the rows' keys were written, in every layer
-        assert all(not torch.equal(p1.k[i], k0[i]) for i in range(3))
+        k0 = tables[tuple(lens)][0]
+        assert all(not torch.equal(p1.k[i], k0[i]) for i in range(3))  # the rows' keys written in every layer
     model.layers[1].q_norm = M.RMSNorm(32, 1e-5).to(torch.bfloat16)  # Qwen3-style: not taken
     model.layers[1].k_norm = M.RMSNorm(32, 1e-5).to(torch.bfloat16)
     model.pack("int8")  # resets the table of pointers

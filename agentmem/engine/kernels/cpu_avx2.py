@@ -801,12 +801,7 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
     in, the last layer's out; pool: the runner's KVPool (k/v [L, slots, KV, hd]). The table of
     the layers' weight pointers is built once a model (`model._avx2_layers`, reset by `pack`);
     None where a layer or the step is not taken (the caller runs the layers one by one)."""
-    table = getattr(model, "_avx2_layers", None)
-    if table is None:
-        blocks = list(model.layers)
-        ok = bool(blocks) and all(_block_takes(b) for b in blocks) and len({b.input_norm.eps for b in blocks}) == 1
-        table = (ctypes.c_void_p * (12 * len(blocks)))(*[p for b in blocks for p in _layer_ptrs(b)]) if ok else False
-        model._avx2_layers = table
+    table = cpu_gemv.layer_table(model, "_avx2_layers", _block_takes, _layer_ptrs)
     a = model.args
     if table is False or not _step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None

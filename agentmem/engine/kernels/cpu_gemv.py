@@ -2006,6 +2006,20 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
     return out
 
 
+def layer_table(model, attr: str, takes: Callable, ptrs: Callable):
+    """The table of every layer's weight pointers a whole-step decode call reads (`ptrs(block)`
+    a layer, side by side), kept on the model as `attr` (reset by `Transformer.pack`); False,
+    kept too, when a layer is not taken (`takes(block)`) or the layers' norms differ in eps."""
+    table = getattr(model, attr, None)
+    if table is None:
+        blocks = list(model.layers)
+        ok = bool(blocks) and all(takes(b) for b in blocks) and len({b.input_norm.eps for b in blocks}) == 1
+        flat = [p for b in blocks for p in ptrs(b)] if ok else []
+        table = (ctypes.c_void_p * len(flat))(*flat) if ok else False
+        setattr(model, attr, table)
+    return table
+
+
 def _u8_layer_ptrs(block) -> list[int]:
     """A block's weights in `agentmem_layer_q8u8`'s order (U8_LAYER_PTRS of them)."""
     q, o, gu, d = block.qkv_p, block.o_p, block.gate_up_p, block.down_p
@@ -2022,13 +2036,7 @@ def layers_q8u8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin
     runner's KVPool (k/v [L, slots, KV, hd]). The table of the layers' weight pointers is built
     once a model (`model._u8_layers`, reset by `pack`); None where a layer or the step is not
     taken (the caller runs the layers one by one). Bit-identical to them."""
-    table = getattr(model, "_u8_layers", None)
-    if table is None:
-        blocks = list(model.layers)
-        ok = (bool(blocks) and all(_u8_block_takes(b) for b in blocks)
-              and len({b.input_norm.eps for b in blocks}) == 1)
-        table = (ctypes.c_void_p * (10 * len(blocks)))(*[p for b in blocks for p in _u8_layer_ptrs(b)]) if ok else False
-        model._u8_layers = table
+    table = layer_table(model, "_u8_layers", _u8_block_takes, _u8_layer_ptrs)
     a = model.args
     if table is False or not _u8_step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None
