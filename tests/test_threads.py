@@ -88,36 +88,6 @@ def test_the_embedder_releases_the_pool_of_the_thread_that_ran_the_model(monkeyp
             assert [e[0] for e in events] == ["encode", "release"] and events[0][1] == events[1][1]
 
 
-def test_a_query_is_embedded_on_one_thread_and_the_callers_count_is_kept():
-    """The quick lane (a query) runs the model with QUICK_THREADS torch threads on the caller's
-    thread, and gives the caller its own count back; a bulk call keeps `bulk_threads`."""
-    import numpy as np
-    import torch
-
-    from agentmem.tiers.embed import QUICK_CHARS, QUICK_THREADS, Embedder
-
-    seen = []
-
-    class Model:
-        def get_sentence_embedding_dimension(self):
-            return 4
-
-        def encode(self, texts, **kw):
-            seen.append(torch.get_num_threads())
-            return np.ones((len(texts), 4), dtype=np.float32)
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        emb = Embedder(Model(), bulk_threads=None)
-        emb.embed(["a query"])
-        emb.embed(["x" * (QUICK_CHARS + 1)])
-        assert seen == [QUICK_THREADS, 2] and QUICK_THREADS == 1
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_module_calls_wait_out_a_torch_fx_trace_in_another_thread(embedder):
     """torch.compile traces with torch.fx, which patches nn.Module process-wide while it runs: a
     module called from another thread meanwhile fails. The embedder (like the engine's steps)

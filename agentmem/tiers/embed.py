@@ -20,14 +20,6 @@ from ..fair import FairGate
 BATCH = 64  # texts per forward pass at most
 TURN_CHARS = 2000  # characters per turn on the shared model: a bulk text waits for one such turn
 QUICK_CHARS = 512  # a call this short (a query) takes the quick lane, beside the bulk one
-# A query (a few dozen tokens) is embedded on the caller's thread alone. Its products are tiny
-# (16 x 384 x 384), and MiniLM's ~100 small parallel regions each waited for an OpenMP worker to
-# wake, which sleeps at once where libgomp manages more threads than cores (an engine in the
-# process: engine/threads.py). Session 36, Zen 4 VM, 2 cores, 10,000-message user, 90 searches
-# with the engine loaded, alternated runs: the query's embedding 18.1-18.5 -> 11.0-11.8 ms,
-# search p50 49.6-50.7 -> 33.2-33.8 ms (the ranking after it also ran faster: 15-17 -> 11-12 ms).
-# The other core stays free for another tenant's query or the engine.
-QUICK_THREADS = 1
 
 
 def default_model_dir() -> Path:
@@ -79,11 +71,10 @@ class Embedder:
                                  show_progress_bar=False)
 
     def _run(self, quick: bool, fn: Callable[[list[str]], np.ndarray], texts: list[str]) -> np.ndarray:
-        """A query on the caller's thread (QUICK_THREADS); a bulk turn on the bulk worker (when
-        `bulk_nice`), with `bulk_threads` threads."""
+        """A query on the caller's thread; a bulk turn on the bulk worker (when `bulk_nice`),
+        with `bulk_threads` threads."""
         if quick:
-            with _threads(QUICK_THREADS):
-                return _released(fn, texts)
+            return _released(fn, texts)
         worker = self._worker()
         if worker is None:
             with _threads(self.bulk_threads):
