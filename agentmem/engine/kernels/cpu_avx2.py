@@ -771,17 +771,10 @@ def _block_takes(block) -> bool:
             and a.n_heads % a.n_kv_heads == 0)
 
 
-def _step_takes(h: torch.Tensor, hd: int, cos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                slots: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> bool:
-    """The parts that depend on the step: fp32 decode rows, their tables, the pool and the key slots."""
-    m = h.shape[0] if h.dim() == 2 else 0
-    w = keep.numel() // max(m, 1)
-    return (h.dtype == torch.float32 and h.device.type == "cpu" and 0 < m <= MAX_ROWS and h.is_contiguous()
-            and cos.dtype == torch.float32 and cos.shape == (m, hd)
-            and k_pool.dtype == v_pool.dtype and k_pool.dtype in KV_DTYPES and k_pool.is_contiguous()
-            and v_pool.is_contiguous() and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8
-            and slots.numel() == m and idx.numel() == keep.numel() == m * w and idx.is_contiguous()
-            and keep.is_contiguous())
+def _step_takes(h: torch.Tensor, hd: int, *pool_and_tables: torch.Tensor) -> bool:
+    """The parts that depend on the step (`cpu_gemv.decode_step_takes`): fp32 decode rows, an fp32
+    or fp16 pool, their tables and the key slots."""
+    return cpu_gemv.decode_step_takes(h, torch.float32, MAX_ROWS, KV_DTYPES, hd, *pool_and_tables)
 
 
 def _layer_ptrs(block) -> list[int | None]:

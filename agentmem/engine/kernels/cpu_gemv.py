@@ -1965,17 +1965,26 @@ def _u8_block_takes(block) -> bool:
             and a.n_heads % a.n_kv_heads == 0 and a.n_heads // a.n_kv_heads <= MAX_GROUP)
 
 
-def _u8_step_takes(h: torch.Tensor, hd: int, cos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   slots: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> bool:
-    """The parts that depend on the step: 1 to MAX_FINISH_ROWS contiguous bf16 decode rows, fp32
-    RoPE tables [M, hd], a contiguous bf16 pool, and the rows' slot tables."""
+def decode_step_takes(h: torch.Tensor, dtype: torch.dtype, max_rows: int, pool_dtypes: tuple, hd: int,
+                      cos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                      idx: torch.Tensor, keep: torch.Tensor) -> bool:
+    """Whether a fused decode call (a layer, or every layer of the step) takes this step: 1 to
+    `max_rows` contiguous rows of `dtype` on the CPU, fp32 RoPE tables [M, hd], a contiguous
+    pool in one of `pool_dtypes` (K and V alike), and the rows' slot tables. This library's
+    calls (bf16 rows and pool) and cpu_avx2's (fp32 rows, fp32 or fp16 pool) share it."""
     m = h.shape[0] if h.dim() == 2 else 0
     w = keep.numel() // max(m, 1)
-    return (h.dtype == torch.bfloat16 and h.device.type == "cpu" and 0 < m <= MAX_FINISH_ROWS and h.is_contiguous()
+    return (h.dtype == dtype and h.device.type == "cpu" and 0 < m <= max_rows and h.is_contiguous()
             and cos.dtype == torch.float32 and cos.shape == (m, hd)
-            and k_pool.dtype == v_pool.dtype == torch.bfloat16 and k_pool.is_contiguous() and v_pool.is_contiguous()
-            and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8 and slots.numel() == m
-            and idx.numel() == keep.numel() == m * w and idx.is_contiguous() and keep.is_contiguous())
+            and k_pool.dtype == v_pool.dtype and k_pool.dtype in pool_dtypes and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and slots.dtype == idx.dtype == torch.int64 and keep.dtype == torch.uint8
+            and slots.numel() == m and idx.numel() == keep.numel() == m * w and idx.is_contiguous()
+            and keep.is_contiguous())
+
+
+def _u8_step_takes(h: torch.Tensor, hd: int, *pool_and_tables: torch.Tensor) -> bool:
+    """`decode_step_takes` for bf16 rows (at most MAX_FINISH_ROWS) over a bf16 pool."""
+    return decode_step_takes(h, torch.bfloat16, MAX_FINISH_ROWS, (torch.bfloat16,), hd, *pool_and_tables)
 
 
 def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
