@@ -364,9 +364,11 @@ def main(argv: list[str]) -> int:
     # int8's own loops when it is a second engine (when it is the engine, its figure is decode_tok_s):
     # eager and compiled, its figure on the path compile=auto keeps, as for decode_tok_s (the
     # compiled loop alone had read 66 tok/s for the 139 the same weights decode at on the kept path)
-    int8_loops = ({"eager": decode_loop(int8, False, pool_tokens)}
-                  | ({"compiled": decode_loop(int8, True, pool_tokens)} if on else {})
-                  if int8 is not None and int8 is not engine else {})
+    int8_loops: dict[str, EngineLoop] = {}
+    if int8 is not None and int8 is not engine:
+        int8_loops["eager"] = decode_loop(int8, False, pool_tokens)
+        if on:
+            int8_loops["compiled"] = decode_loop(int8, True, pool_tokens)
     ours_prefill_s(engine, loop, ids[:64])  # warm up both
     hf_prefill_s(hf, ids[:64], device)
     log("compiling the decode step (or loading it from the disk cache) ...")
