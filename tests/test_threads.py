@@ -163,3 +163,83 @@ def test_the_trace_lock_lets_module_calls_run_together_and_a_compile_alone():
     with lock.shared(), lock.shared(), lock.exclusive(), lock.shared():  # nested, and a foreground compile
         events.append("nested")
     assert events[-1] == "nested"
+
+
+_PER_THREAD = textwrap.dedent("""
+    import threading
+    import torch
+    from agentmem.engine.threads import _libgomp, omp_threads
+
+    torch.set_num_threads(2)
+    if _libgomp() is None:
+        print("no-libgomp"); raise SystemExit(0)
+    seen = {}
+    inside, leave = threading.Event(), threading.Event()
+
+    def query():
+        with omp_threads(1):
+            seen["inside"] = torch.get_num_threads()
+            torch.nn.functional.silu(torch.randn(256, 4096))  # torch work on the one thread
+            inside.set()
+            leave.wait(10)
+        seen["after"] = torch.get_num_threads()
+
+    def fresh(name):  # a thread that runs torch for the first time now
+        torch.nn.functional.silu(torch.randn(256, 4096))
+        seen[name] = torch.get_num_threads()
+
+    q = threading.Thread(target=query)
+    q.start()
+    inside.wait(10)
+    t = threading.Thread(target=fresh, args=("fresh_during",)); t.start(); t.join()
+    torch.nn.functional.silu(torch.randn(256, 4096))
+    seen["main_during"] = torch.get_num_threads()
+    leave.set(); q.join()
+    t = threading.Thread(target=fresh, args=("fresh_after",)); t.start(); t.join()
+    with omp_threads(None):
+        seen["none"] = torch.get_num_threads()
+    print(" ".join(f"{k}={v}" for k, v in sorted(seen.items())))
+""")
+
+
+def test_omp_threads_sets_the_calling_thread_only():
+    """A query's one-thread forward must not leak: torch.set_num_threads stores a process-wide
+    default that threads starting torch later copy; omp_threads changes this thread's OpenMP
+    setting alone. Checked in a fresh interpreter, with threads that first touch torch while
+    the setting is held and after it (with torch.set_num_threads(1) in its place, the same
+    script reads 1 on the main thread and on the thread started meanwhile: torch 2.13)."""
+    out = subprocess.run([sys.executable, "-c", _PER_THREAD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.split() == ["no-libgomp"]:
+        pytest.skip("torch is not on GNU OpenMP here")
+    seen = dict(kv.split("=") for kv in out.stdout.split())
+    assert seen["inside"] == "1"
+    assert seen["after"] == "2"  # restored on the thread that set it
+    assert seen["fresh_during"] == seen["fresh_after"] == seen["main_during"] == seen["none"] == "2"
+
+
+def test_the_embedders_query_runs_on_one_thread_and_bulk_on_its_count():
+    import numpy as np
+    import torch
+
+    from agentmem.engine.threads import _libgomp
+    from agentmem.tiers.embed import QUERY_THREADS, QUICK_CHARS, Embedder
+
+    if _libgomp() is None:
+        pytest.skip("torch is not on GNU OpenMP here")
+    seen = []
+
+    class Model:
+        def get_sentence_embedding_dimension(self):
+            return 4
+
+        def encode(self, texts, **kw):
+            seen.append(torch.get_num_threads())
+            return np.ones((len(texts), 4), dtype=np.float32)
+
+    before = torch.get_num_threads()
+    emb = Embedder(Model(), bulk_threads=max(1, before - 1) if before > 1 else 2)
+    emb.embed(["where did I park?"])
+    emb.embed(["x" * (QUICK_CHARS + 1)])
+    assert seen == [QUERY_THREADS, emb.bulk_threads]
+    assert torch.get_num_threads() == before

@@ -18,6 +18,16 @@ request thread or its bulk worker. A thread that runs parallel torch work again 
 pool (tens of microseconds). Measured on the 2-core Xeon VM (bf16): one stream decoded at
 58 tok/s alone and at 29 with two other threads' idle pools alive; 57 once they released them.
 GOMP_SPINCOUNT and OMP_WAIT_POLICY do not help: libgomp's throttled spin count is fixed.
+
+`omp_threads(n)` runs a block with `n` OpenMP threads on the calling thread only. torch's
+own `torch.set_num_threads` is not per-thread state: besides this thread's OpenMP setting it
+stores the count in a process-wide default that every thread copies the first time it runs
+parallel torch work, so a count set around one call leaks into threads that start later (a
+new request thread, an engine loop started afterwards). libgomp's `omp_set_num_threads`,
+called directly, changes only the calling thread's setting (its own copy of the OpenMP
+internal control variables), and torch reads that back (`at::get_num_threads` is
+`omp_get_max_threads` of the calling thread; oneDNN and MKL ask the same) once the thread has
+made its first torch call, which `omp_threads` makes first.
 """
 
 from __future__ import annotations
@@ -127,3 +137,31 @@ def release_omp_pool() -> bool:
     parallel region); True if it was released."""
     lib = _libgomp()
     return lib is not None and lib.omp_pause_resource_all(1) == 0  # 1: omp_pause_soft
+
+
+def _set_threads(lib: ctypes.CDLL, n: int) -> None:
+    lib.omp_set_num_threads(ctypes.c_int(n))
+
+
+@contextlib.contextmanager
+def omp_threads(n: int | None):
+    """Run the block with `n` OpenMP threads on this thread, and on no other (see the module's
+    docstring); n None: unchanged. Without libgomp (another OpenMP runtime), unchanged too:
+    torch.set_num_threads would leak, and a slower query beats a process on one thread."""
+    lib = _libgomp() if n is not None else None
+    if lib is None or not hasattr(lib, "omp_set_num_threads"):
+        yield
+        return
+    import torch
+
+    torch.get_num_threads()  # this thread's lazy torch set-up first: it would overwrite ours
+    before = int(lib.omp_get_max_threads())
+    n = max(1, int(n))
+    if n == before:
+        yield
+        return
+    _set_threads(lib, n)
+    try:
+        yield
+    finally:
+        _set_threads(lib, before)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,11 @@ from ..fair import FairGate
 BATCH = 64  # texts per forward pass at most
 TURN_CHARS = 2000  # characters per turn on the shared model: a bulk text waits for one such turn
 QUICK_CHARS = 512  # a call this short (a query) takes the quick lane, beside the bulk one
+# A query's forward (~16 tokens through MiniLM) runs on one thread: its ~100 small parallel
+# regions each waited for an OpenMP worker that libgomp lets sleep at once when the process
+# holds more threads than cores (the engine's loop), 18 ms against 7 raw on a 2-core Zen 4
+# (session 36); on one thread no worker is woken.
+QUERY_THREADS = 1
 
 
 def default_model_dir() -> Path:
@@ -71,17 +75,23 @@ class Embedder:
                                  show_progress_bar=False)
 
     def _run(self, quick: bool, fn: Callable[[list[str]], np.ndarray], texts: list[str]) -> np.ndarray:
-        """A query on the caller's thread; a bulk turn on the bulk worker (when `bulk_nice`),
-        with `bulk_threads` threads."""
+        """A query on the caller's thread, on one OpenMP thread; a bulk turn on the bulk worker
+        (when `bulk_nice`), with `bulk_threads` threads (under `serve`, half the cores, so the
+        engine's forwards and other tenants' queries keep the rest while a flood of long
+        messages is indexed). Both settings hold for this call on this thread only
+        (`engine.threads.omp_threads`), never for the process."""
+        from ..engine.threads import omp_threads
+
         if quick:
-            return _released(fn, texts)
+            with omp_threads(QUERY_THREADS):
+                return _released(fn, texts)
         worker = self._worker()
         if worker is None:
-            with _threads(self.bulk_threads):
+            with omp_threads(self.bulk_threads):
                 return _released(fn, texts)
 
         def bulk() -> np.ndarray:
-            with _threads(self.bulk_threads):
+            with omp_threads(self.bulk_threads):
                 return _released(fn, texts)
 
         return worker.submit(bulk).result()
@@ -118,24 +128,6 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
         pass
-
-
-@contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """Bulk embedding (indexing long histories) on `n` threads, in this thread only (torch's
-    thread count is per thread): under `serve`, half the cores, so the engine's forwards and
-    other tenants' queries keep the rest while a flood of long messages is indexed."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n is None or n == before:
-        yield
-        return
-    torch.set_num_threads(max(1, n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _turns(lengths: list[int]) -> list[list[int]]:
