@@ -243,3 +243,34 @@ def test_the_embedders_query_runs_on_one_thread_and_bulk_on_its_count():
     emb.embed(["x" * (QUICK_CHARS + 1)])
     assert seen == [QUERY_THREADS, emb.bulk_threads]
     assert torch.get_num_threads() == before
+
+
+_WHICH = textwrap.dedent("""
+    import ctypes, os
+    try:
+        import sklearn.utils  # noqa: F401  (loads scikit-learn's own libgomp, as sentence-transformers does)
+    except ImportError:
+        pass
+    import torch
+    torch.set_num_threads(2)
+    torch.nn.functional.silu(torch.randn(256, 4096))
+    from agentmem.engine.threads import _libgomp, omp_threads
+    copies = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line and "/" in line})
+    lib = _libgomp()
+    with omp_threads(1):
+        inside = torch.get_num_threads()
+    print(len(copies), lib is not None and lib._name.startswith(os.path.dirname(torch.__file__)), inside)
+""")
+
+
+def test_the_runtime_asked_is_torchs_when_another_libgomp_is_loaded_first():
+    """scikit-learn (imported by sentence-transformers) bundles a libgomp of its own. Releasing
+    pools or setting thread counts in that copy does nothing to torch's threads: one stream's
+    decode read 47 tok/s against 179 after request threads had embedded queries (session 37,
+    Xeon VM), because their idle pools were never released."""
+    out = subprocess.run([sys.executable, "-c", _WHICH], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    copies, torchs, inside = out.stdout.split()
+    if copies == "0":
+        pytest.skip("torch is not on GNU OpenMP here")
+    assert torchs == "True" and inside == "1"

@@ -113,21 +113,33 @@ _lookup = threading.Lock()
 
 
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp torch already loaded (never a second copy), or None."""
+    """The libgomp torch already loaded (never a second copy), or None.
+
+    Other wheels bundle their own libgomp (scikit-learn, which sentence-transformers imports,
+    loads `scikit_learn.libs/libgomp-*.so`): each copy is a runtime of its own, with its own
+    thread pools and settings, so only torch's may be asked. Until session 37 the first copy
+    by path was taken, scikit-learn's wherever the embedder had been loaded before the first
+    call: pools were released and thread counts set in a runtime torch does not use."""
     global _lib
     with _lookup:
         if _lib is None:
             _lib = False
             try:
+                import torch
+
+                torch_dir = os.path.realpath(os.path.dirname(torch.__file__))
                 with open("/proc/self/maps") as f:
                     paths = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
-                for path in sorted(paths):
+                mine = [p for p in paths if os.path.realpath(p).startswith(torch_dir + os.sep)]
+                # a torch built against the system's libgomp has none in its own folder: then
+                # the one copy loaded, if only one is
+                for path in mine or (sorted(paths) if len(paths) == 1 else []):
                     lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
                     if hasattr(lib, "omp_pause_resource_all"):
                         lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
                         _lib = lib
                         break
-            except (OSError, AttributeError):
+            except (OSError, AttributeError, ImportError):
                 pass
         return _lib or None
 
