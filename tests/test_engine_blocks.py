@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentmem.engine import BlockManager, NoFreeBlocks, SamplingParams
+from agentmem.engine import BlockManager, NoFreeBlocks, SamplingParams, block_manager
 from agentmem.engine.sequence import Sequence
 
 
@@ -109,3 +109,66 @@ def test_utilization_counts_shared_blocks_once():
     bm.allocate(b)
     b.num_computed = 5
     assert bm.utilization([a, b]) == (4 + 2 + 1, 12)
+
+
+def _runs(table):
+    """How many places a block table jumps (0: one run of consecutive blocks)."""
+    return sum(b != a + 1 for a, b in zip(table, table[1:], strict=False))
+
+
+def test_streams_growing_together_keep_their_blocks_in_runs():
+    """Eight sequences decoding side by side take a block each in turn; taken from the free
+    list's front, each one's blocks would lie eight apart. Placed, each grows into a run."""
+    bm = BlockManager(num_blocks=256, block_size=4)
+    seqs = [seq(range(100 * i, 100 * i + 10)) for i in range(8)]
+    for s in seqs:
+        bm.allocate(s)
+    for n in range(11, 60):  # decode: one token each per step
+        for s in seqs:
+            bm.ensure_capacity(s, n)
+    assert all(_runs(s.block_table) == 0 for s in seqs)
+    assert len({b for s in seqs for b in s.block_table}) == sum(len(s.block_table) for s in seqs)
+    block_manager.CONTIGUOUS = False  # the free list's order alone: the scatter this prevents
+    try:
+        old = BlockManager(num_blocks=256, block_size=4)
+        seqs = [seq(range(100 * i, 100 * i + 10)) for i in range(8)]
+        for s in seqs:
+            old.allocate(s)
+        for n in range(11, 60):
+            for s in seqs:
+                old.ensure_capacity(s, n)
+        assert all(_runs(s.block_table) >= 10 for s in seqs)
+    finally:
+        block_manager.CONTIGUOUS = True
+
+
+def test_placement_fills_the_pool_and_keeps_the_newest_cached_prefixes():
+    """Runs never cost capacity: every block can still be handed out. A cached prefix freed
+    recently stays findable while older free blocks remain; only the older half of the free
+    list is taken out of turn."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    old = seq(range(200, 217))  # 5 blocks, 4 of them full
+    bm.allocate(old)
+    old.num_computed = 17
+    bm.register(old)
+    bm.free(old)
+    recent = seq(range(9))  # 3 blocks, 2 full: freed last
+    bm.allocate(recent)
+    recent.num_computed = 9
+    bm.register(recent)
+    bm.free(recent)
+    grower = seq(range(500, 501))
+    bm.allocate(grower)
+    for n in range(2, 4 * 12 + 1):  # 12 blocks: the 10 that hold no prefix, then 2 cached ones
+        bm.ensure_capacity(grower, n)
+    assert len(bm._match_prefix(seq(range(9)))) == 2  # the newest prefix survives
+    assert len(bm._match_prefix(seq(range(200, 217)))) < 4  # an older one gave way
+    everyone = [seq(range(1000 + 10 * i, 1000 + 10 * i + 4)) for i in range(bm.num_free)]
+    for s in everyone:
+        bm.allocate(s)
+    assert bm.num_free == 0
+    with pytest.raises(NoFreeBlocks):
+        bm.allocate(seq(range(3000, 3004)))
+    for s in [grower, *everyone]:
+        bm.free(s)
+    assert bm.num_free == 16 and bm._is_free.all()

@@ -5,6 +5,20 @@ chained with the previous block's hash and the sequence's salt (its namespace), 
 that start with the same tokens map onto the same blocks, counted by reference. A freed block
 keeps its hash until it is handed out again, so a later request with that prefix still finds
 it: freed blocks are reused least-recently-freed first.
+
+**Placement.** Decode attention streams a sequence's K/V block after block, and a sequence
+whose blocks lie one after another in the pool reads faster than one whose blocks are
+scattered: the hardware prefetchers follow one stream of addresses and stop where it jumps
+(a 16-slot block of SmolLM2 is 6 KB a layer). Taking blocks only from the front of the free
+list scatters every sequence that grows beside others: eight streams decoding together take
+their next blocks in turn, so each stream's blocks end up eight apart. So a sequence's new
+blocks are placed: the block right after its last one when that block is *open* (free, and
+either holding no cached prefix or among the older half of the free list, which the
+least-recently-freed rule would evict first anyway), else the start of the longest run of
+open blocks, or its middle when a live sequence's block comes just before the run (that
+sequence grows into the first half). Only when no block is open does a block come from the
+front of the free list, as before. The newer half of the free cached blocks is never taken out
+of turn, so a chat's next turn still finds the prefix its last turn left.
 """
 
 from __future__ import annotations
@@ -13,7 +27,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from .sequence import Sequence
+
+CONTIGUOUS = True  # place blocks in runs (see the module's docstring); False: free-list order only
 
 
 class NoFreeBlocks(RuntimeError):
@@ -40,6 +58,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        self._clock = 0  # counts frees: a free block's `_freed_at` orders the free list by age
+        self._freed_at = np.zeros(num_blocks, dtype=np.int64)
+        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._cached = np.zeros(num_blocks, dtype=bool)  # holds the prefix its hash names
 
     @property
     def num_free(self) -> int:
@@ -79,27 +101,76 @@ class BlockManager:
         for b in hits:
             if b.ref == 0:
                 del self._free[b.id]
+                self._is_free[b.id] = False
             b.ref += 1
             seq.block_table.append(b.id)
             seq.block_hashes.append(b.hash)
         seq.num_cached = seq.num_computed = len(hits) * self.block_size
-        for _ in range(self.blocks_for(len(seq.token_ids)) - len(hits)):
-            seq.block_table.append(self._take().id)
+        self._grow(seq, self.blocks_for(len(seq.token_ids)) - len(hits))
 
-    def _take(self) -> Block:
+    def _grow(self, seq: Sequence, n: int) -> None:
+        """n more blocks at the end of seq's table, placed (module docstring)."""
+        if n <= 0:
+            return
+        if not CONTIGUOUS:
+            for _ in range(n):
+                seq.block_table.append(self._take().id)
+            return
+        opened: np.ndarray | None = None  # computed when first needed (a pass over the pool)
+        for _ in range(n):
+            nxt = seq.block_table[-1] + 1 if seq.block_table else -1
+            if not (0 <= nxt < len(self.blocks) and self._is_free[nxt] and not self._cached[nxt]):
+                if opened is None:
+                    opened = self._open()
+                if not (0 <= nxt < len(self.blocks) and opened[nxt]):
+                    nxt = self._run_start(opened)
+            b = self._take(nxt)
+            if opened is not None:
+                opened[b.id] = False
+            seq.block_table.append(b.id)
+
+    def _open(self) -> np.ndarray:
+        """Free blocks that may be taken out of the free list's order: those holding no cached
+        prefix, and cached ones among the older half of the free list."""
+        opened = self._is_free & ~self._cached
+        cached = self._is_free & self._cached
+        if cached.any():
+            ages = self._freed_at[self._is_free]
+            mid = (len(ages) - 1) // 2
+            opened |= cached & (self._freed_at <= np.partition(ages, mid)[mid])
+        return opened
+
+    def _run_start(self, opened: np.ndarray) -> int | None:
+        """Where a new run of blocks starts: the longest run of open blocks, at its start, or at
+        its middle when a live block comes just before it. None: no block is open."""
+        edges = np.diff(np.concatenate(([0], opened.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        if not len(starts):
+            return None
+        i = int(np.argmax(ends - starts))
+        s, e = int(starts[i]), int(ends[i])
+        if s > 0 and self.blocks[s - 1].ref > 0:
+            return s + (e - s) // 2
+        return s
+
+    def _take(self, bid: int | None = None) -> Block:
+        """Block bid, or the least recently freed one; a cached prefix it held is forgotten."""
         if not self._free:
             raise NoFreeBlocks("the KV pool is full")
-        bid, _ = self._free.popitem(last=False)
+        if bid is None:
+            bid, _ = self._free.popitem(last=False)
+        else:
+            del self._free[bid]
         b = self.blocks[bid]
         if b.hash is not None and self._by_hash.get(b.hash) == bid:
             del self._by_hash[b.hash]
         b.hash, b.tokens, b.ref = None, (), 1
+        self._is_free[bid] = self._cached[bid] = False
         return b
 
     def ensure_capacity(self, seq: Sequence, n_tokens: int) -> None:
         """Make seq's table cover n_tokens (one more block at most per decode step)."""
-        while len(seq.block_table) * self.block_size < n_tokens:
-            seq.block_table.append(self._take().id)
+        self._grow(seq, self.blocks_for(n_tokens) - len(seq.block_table))
 
     def register(self, seq: Sequence) -> None:
         """Publish seq's newly filled full blocks for sharing (only exact, computed KV)."""
@@ -111,7 +182,8 @@ class BlockManager:
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.salt, toks)
             b = self.blocks[seq.block_table[j]]
             b.hash, b.tokens = h, toks
-            self._by_hash.setdefault(h, b.id)
+            if self._by_hash.setdefault(h, b.id) == b.id:
+                self._cached[b.id] = True
             seq.block_hashes.append(h)
 
     def free(self, seq: Sequence) -> None:
@@ -120,6 +192,9 @@ class BlockManager:
             b.ref -= 1
             if b.ref == 0:
                 self._free[bid] = None
+                self._is_free[bid] = True
+                self._clock += 1
+                self._freed_at[bid] = self._clock
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed = seq.num_cached = 0
 
