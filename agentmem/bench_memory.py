@@ -158,6 +158,7 @@ class Outcome:
     seconds: float
     reply: str
     recalled: bool | None = None  # the evidence is in `search(question, k=10)`
+    decode_tok_s: float | None = None  # the reply's tokens after the first, per second of decoding
 
 
 def prepare(store, engine, config, workload: list[UserHistory], tenant_id: str) -> None:
@@ -193,7 +194,8 @@ def run_memory(store, engine, config, workload: list[UserHistory], tenant_id: st
             refs = {seg["ref"] for seg in tr.segments}
             evidence = f"message:{q.evidence_id}" in refs or any(
                 q.evidence_id in m["source_ids"] and q.answer.lower() in m["text"].lower() for m in tr.memories_used)
-            out.append(Outcome(q.answered_by(reply), evidence, tr.stats.prompt_tokens, dt, reply, found))
+            out.append(Outcome(q.answered_by(reply), evidence, tr.stats.prompt_tokens, dt, reply, found,
+                               _decode_rate(tr.stats)))
             print(f"  memory {h.user} {q.key}: {'ok ' if out[-1].correct else 'bad'} ev={evidence} "
                   f"{tr.stats.prompt_tokens} tok {dt:.2f}s {reply[:60]!r}", file=sys.stderr)
     return out
@@ -232,6 +234,12 @@ def history_tokens(engine, workload: list[UserHistory]) -> list[int]:
             for h in workload for _ in h.questions]
 
 
+def _decode_rate(stats) -> float | None:
+    """Decode tokens per second of one generation (its first token is prefill's)."""
+    spent = getattr(stats, "total_s", 0.0) - getattr(stats, "ttft_s", 0.0)
+    return (stats.completion_tokens - 1) / spent if stats.completion_tokens > 1 and spent > 0 else None
+
+
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
@@ -243,7 +251,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
     return {"accuracy": sum(o.correct for o in outcomes) / n, "evidence": sum(o.evidence for o in outcomes) / n,
             "recalled": sum(recalled) / len(recalled) if recalled else None,
             "prompt_tokens_mean": statistics.mean(o.prompt_tokens for o in outcomes),
-            "p50": _pct([o.seconds for o in outcomes], 0.5), "p95": _pct([o.seconds for o in outcomes], 0.95)}
+            "p50": _pct([o.seconds for o in outcomes], 0.5), "p95": _pct([o.seconds for o in outcomes], 0.95),
+            "decode_tok_s": statistics.median(rates) if (rates := [o.decode_tok_s for o in outcomes
+                                                                   if o.decode_tok_s is not None]) else None}
 
 
 def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]]:
@@ -273,6 +283,9 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
         "prompt_to_history": mem["prompt_tokens_mean"] / statistics.mean(hist),
         "turn_p50_s": mem["p50"],
         "turn_p95_s": mem["p95"],
+        # the median memory turn's decode speed, as an app calling AgentSession.chat gets it
+        # (an engine of its own loop, the embedder and the store in one process)
+        "decode_tok_s": mem["decode_tok_s"],
     }
     if args.sampling_seeds > 1:
         # the small model's answers turn on its sampling: the same condition under other
