@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .compress.policy import BudgetPolicy
 from .engine import Segment
 from .tiers.keys import unprefixed
-from .tiers.records import CoreBlock, Hit, Message, own_reply
+from .tiers.records import CoreBlock, Hit, Message, only_asks, own_reply
 
 RECALL_SHARE = 0.35  # of the budget the recalled memories may use
 MIN_SIMILARITY = 0.1  # below this, a hit that only embeddings found is noise, not memory
@@ -108,6 +108,10 @@ def note_hits(hits: list[Hit]) -> list[Hit]:
             continue
         if weak(h):
             continue  # only a weak embedding match: noise
+        if h.kind == "message" and h.role == "user" and not h.name and not h.context and only_asks(h.text):
+            # the user's own question with nothing beside it ("What am I allergic to?") says no
+            # fact, and a note of it matches the question asked now word for word
+            continue
         if h.kind == "message" and own_reply(h.role, h.name):
             # the small model's own earlier replies are unreliable, and as notes it copies
             # them word for word instead of answering (seen in the demo); search still finds

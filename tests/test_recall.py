@@ -781,3 +781,29 @@ def test_the_turn_beside_a_top_hit_is_lent_its_support(store, monkeypatch):
     lex = store.search("default", "alice", q, k=10, retrievers=("lexical",))
     assert owner not in [h.id for h in lex] and all("neighbour" not in h.retrievers for h in lex)
     assert store.search("default", "alice", q, k=10, until=T0 - timedelta(days=1)) == []
+
+
+def test_the_models_own_words_are_no_context_and_a_bare_question_is_no_note(store):
+    """In a chat with the assistant, its reply is no evidence: a question's "(answered: ...)"
+    is never the model's own answer (the demo's 135M model copied its earlier wrong answer from
+    there), and a short statement is shown "in reply to" the model only where the model asked
+    something. The user's own question with nothing beside it is no note."""
+    from agentmem.assemble import note_hits
+
+    sid = store.open_session("default", "dana").id
+    store.add_messages("default", "dana", sid, [
+        {"role": "user", "content": "Which city do I live in?"},
+        {"role": "assistant", "content": "The user's name is Dana."},
+        {"role": "assistant", "content": "Hello there, welcome! I'm your friendly guide today."},
+        {"role": "user", "content": "I am allergic to peanuts."},
+        {"role": "assistant", "content": "Noted. Which colour would you like for the scarf?"},
+        {"role": "user", "content": "Blue, the dark one."},
+    ])
+    hits = {h.text: h for h in store.search("default", "dana", "city live allergic peanuts colour blue dark", k=10,
+                                            retrievers=("lexical",))}
+    asked, allergy, blue = (hits[t] for t in ("Which city do I live in?", "I am allergic to peanuts.",
+                                              "Blue, the dark one."))
+    assert asked.context is None and allergy.context is None
+    assert blue.context == 'in reply to: "Noted. Which colour would you like for the scarf?"'
+    notes = [h.text for h in note_hits([asked, allergy, blue])]
+    assert notes == ["I am allergic to peanuts.", "Blue, the dark one."]

@@ -54,7 +54,7 @@ from .archive import Archive
 from .byte_lru import ByteLRU
 from .keys import context_view, unprefixed, with_keys
 from .query import ParsedQuery, content_terms, information, parse_query, words
-from .records import Hit, Memory, Message, MessageMeta, own_reply
+from .records import SENTENCE_BREAK, Hit, Memory, Message, MessageMeta, only_asks, own_reply
 from .specific import TermStats, topical
 from .timeparse import warm_up
 
@@ -134,7 +134,7 @@ LOOKBACK_IDS = 1000 << 12  # a second of row ids (tiers/ids.py: a millisecond ti
 _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT, _VIEW_SENTENCE = 0, 1, 2
 SENTENCE_MIN_WORDS = 16  # a turn this long with two sentences or more gets a vector per sentence too
-_SENTENCE = re.compile(r"(?<=[.!?…])\s+(?=\S)|\n+")
+_SENTENCE = SENTENCE_BREAK
 _INDEX_VERSION = 10  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics;
 # 9: no numerals among them (specific.topical); 10: captions in the text view and the priors (keys.with_keys)
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
@@ -284,7 +284,7 @@ class UserIndex:
             said = with_keys(m.text, m.keys)
             self.info[m.id] = information(said, names)
             self.terms.add(m.id, topical(content_terms(said, names)))
-            if _only_asks(m.text) and not m.keys:  # a question with a photo shows something
+            if only_asks(m.text) and not m.keys:  # a question with a photo shows something
                 self.asks.add(m.id)
 
 
@@ -1103,12 +1103,6 @@ def _fused_score(c: _Cand) -> float:
     return score
 
 
-def _only_asks(text: str) -> bool:
-    """A turn that only asks ("Read anything good lately?"): a question, one sentence."""
-    text = text.strip()
-    return text.endswith("?") and len([p for p in _SENTENCE.split(text) if p.strip()]) == 1
-
-
 def _neighbour_step(text: str) -> int:
     """Which neighbour a recalled turn needs to be understood: a question, the turn that
     answers it (+1); a short reply, the turn it answers (-1); a turn that stands alone, none."""
@@ -1126,6 +1120,15 @@ def neighbour_contexts(archive: Archive, tenant_id: str, user_id: str, messages:
     near = archive.neighbours(tenant_id, user_id, wanted) if wanted else {}
     out = {}
     for mid, other in near.items():
+        if own_reply(other.role, other.name) and (other.id > mid or "?" not in other.text):
+            # The model's own words are context only where they asked what a short reply answers
+            # ("Blue." in reply to "Which colour would you like?"). A question's answer that is
+            # the model's own reply is no evidence, and as a note the small model copies it,
+            # wrong answers included (the demo answered "What am I allergic to?" with its earlier
+            # answer about the dog, shown as "(answered: ...)" beside that question); its
+            # greeting before "I am allergic to peanuts." is noise the model copied as well. The
+            # prompt never shows own replies as notes (assemble.note_hits).
+            continue
         said = " ".join(other.text.split())
         said = said if len(said) <= NEIGHBOUR_CHARS else said[:NEIGHBOUR_CHARS].rsplit(" ", 1)[0] + " ..."
         if other.id < mid:

@@ -3,6 +3,7 @@ detached, immutable, and serialise with `to_dict()` (times as ISO-8601 UTC)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
@@ -73,6 +74,15 @@ class Message(_Record):
     def time(self) -> datetime:
         """When it happened: the event time if the caller gave one, else when it was stored."""
         return self.event_time or self.created_at
+
+
+SENTENCE_BREAK = re.compile(r"(?<=[.!?…])\s+(?=\S)|\n+")
+
+
+def only_asks(text: str) -> bool:
+    """A turn that only asks ("Read anything good lately?"): a question, one sentence."""
+    text = text.strip()
+    return text.endswith("?") and len([p for p in SENTENCE_BREAK.split(text) if p.strip()]) == 1
 
 
 def own_reply(role: str, name: str | None) -> bool:
