@@ -189,13 +189,14 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(tiny_path):
     assert got_three == [drive(e, eager, [p], 64)[0] for p in three]
 
 
-def test_compile_auto_times_both_paths_per_bucket_and_keeps_the_faster(tiny_path, monkeypatch):
+def test_compile_auto_times_both_paths_per_bucket_and_keeps_the_faster(tiny_path, tmp_path, monkeypatch):
     """compile=auto on the CPU: a compiled bucket's first steps alternate compiled and eager,
     TRIALS each, then the bucket keeps the one whose best step was faster; the tokens are
     eager's greedy ones whichever path ran."""
     from agentmem.engine import compiled as compiled_mod
 
-    e = load(tiny_path, dtype="float32", compile="auto")
+    monkeypatch.setattr(compiled_mod, "machine_busy", lambda: None)
+    e = load(tiny_path, dtype="float32", compile="auto", cache_dir=tmp_path)
     loop = EngineLoop(e)
     c = loop.runner.compiled
     assert c.measure  # compile=on does not measure (the test above)
@@ -221,6 +222,24 @@ def test_compile_auto_times_both_paths_per_bucket_and_keeps_the_faster(tiny_path
     assert picks == [True, False] * 3 and c.chosen[b] is False and not c.prefer(b)  # 4.0 compiled vs 3.0 eager
     c.record(b, True, 0.1)  # decided: later steps do not reopen it
     assert c.chosen[b] is False
+    # remembered for this machine and setting: the next loop starts with both choices, never
+    # compiles the bucket that measured eager, and still compiles one that measured compiled
+    again = EngineLoop(e).runner.compiled
+    assert again.chosen == c.chosen and again.chosen[b] is False
+    again.background = False
+    assert again.get(2, 300) is None and b not in again.ready and again._busy is None
+    assert again.get(2, 40) is None and (2, 256) not in again.ready  # its batch size measured eager
+    again.chosen[(1, 256)] = True
+    assert again.get(1, 30) == (1, 256)
+    # another machine (other SIMD flags) is another key: nothing remembered there; and a choice
+    # timed while the machine is busy is used, not saved
+    monkeypatch.setattr(compiled_mod, "simd_flags", lambda: "other flags")
+    other = EngineLoop(e).runner.compiled
+    assert other.chosen == {}
+    monkeypatch.setattr(compiled_mod, "machine_busy", lambda: "load average 9.0 on 2 cores")
+    for t in (1.0, 2.0, 1.0, 2.0, 1.0, 2.0):
+        other.record((4, 256), t == 1.0, t)
+    assert other.chosen[(4, 256)] is True and EngineLoop(e).runner.compiled.chosen == {}
 
 
 def test_a_compile_failure_falls_back_to_eager_and_says_why(tiny_path, tmp_path, caplog, monkeypatch):

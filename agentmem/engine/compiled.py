@@ -24,12 +24,20 @@ with AMX (bf16, session 9) one stream decoded at 26.7 tok/s compiled against 30.
 the AMD EPYC VM before, 14.4 against 14.2. So with `measure` (compile=auto on the CPU) the
 first steps of each bucket alternate the two paths, TRIALS timed steps each, and the bucket
 keeps the faster by its best step (`prefer`, `record`; the choice is logged and kept in
-`chosen`).
+`chosen`). The choice is also remembered under the cache dir (`decode-path-choice.json`, keyed
+by torch, the model's shape, dtype and weight format, the threads, the CPU's SIMD flags and the
+kernels' source; not saved while the machine is busy, measured.py), and a bucket remembered as
+eager (or not yet measured, where every measured width of its batch size went eager) is never
+compiled again on this machine: with the fused C decode step eager decodes
+2.6x faster than compiled on the AMX Xeon VM (167 against 65 tok/s, session 37), and the
+compile, even from inductor's disk cache, held the first reply of every process for ~5 s
+(its trace takes the lock the eager steps take, threads.py).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import sys
@@ -43,6 +51,7 @@ import torch.nn.functional as F
 from .kernels import cpu_avx2, cpu_gemv
 from .kv_pool import KVPool
 from .layers import rms_norm, rotate
+from .measured import machine_busy, simd_flags
 from .model import Transformer
 from .threads import TRACE_LOCK
 
@@ -54,6 +63,7 @@ TRIALS = 3  # timed decode steps of each path per bucket before the faster one i
 # the cache dir's unless the user named one before agentmem ran
 _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 MIN_WIDTH = 256
+CHOICE_FILE = "decode-path-choice.json"  # each bucket's measured path, per machine and setting
 
 # Background compiles in flight. A process that exits while one runs inside dynamo/inductor
 # aborted ("terminate called without an active exception", exit status 134, about every other
@@ -132,6 +142,15 @@ class CompiledDecode:
         a = model.args
         self.measure = measure
         self.chosen: dict[tuple[int, int], bool] = {}  # bucket -> compiled (True) or eager, once measured
+        self._memo = Path(cache_dir).expanduser() / CHOICE_FILE
+        self._memo_key = "|".join([
+            torch.__version__, f"{a.n_layers}x{a.dim}x{a.hidden_dim}|{a.n_heads},{a.n_kv_heads},{a.head_dim}",
+            str(model.embed_tokens.weight.dtype), str(pool.k.dtype), getattr(model, "weights", "?"),
+            f"{torch.get_num_threads()} threads", simd_flags(),
+            cpu_gemv.tag() if cpu_gemv.loaded() is not None else cpu_avx2.tag() if cpu_avx2.loaded() is not None
+            else "no kernels"])
+        if measure:
+            self.chosen.update(self._remembered())
         self._trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self.model, self.pool, self.timeout_s, self.background = model, pool, timeout_s, background
         self.shape = (a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.norm_eps)
@@ -142,8 +161,9 @@ class CompiledDecode:
             for blk in model.layers
         ]
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _USER_CACHE or str(Path(cache_dir).expanduser() / "inductor")
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._fn = torch.compile(self._layer, fullgraph=True, dynamic=False, mode=mode)
+        self._mode = mode
+        self._fn = None  # torch.compile's wrapper, made at the first compile: importing dynamo and
+        # inductor costs ~1 s, which a process whose buckets are all remembered eager never pays
         self.ready: set[tuple[int, int]] = set()
         self.failed: str | None = None
         self.compile_s = 0.0  # seconds spent compiling (or loading compiled code from the disk cache)
@@ -166,6 +186,8 @@ class CompiledDecode:
         bucket = self.bucket(batch, width)
         if bucket is None or bucket[1] > self.pool.scratch_slot:
             return None
+        if self.measure and self._eager(bucket):
+            return None  # measured eager here (now or by an earlier process): never compiled
         if bucket in self.ready:
             return bucket
         with self._lock:
@@ -204,8 +226,42 @@ class CompiledDecode:
         if min(map(len, times)) >= TRIALS:
             fast, slow = min(times[0]), min(times[1])
             self.chosen[bucket] = fast <= slow
+            self._remember(bucket, fast <= slow)
             log.info("agentmem: decode bucket %s runs %s (best step %.1f ms compiled, %.1f ms eager)", bucket,
                      "compiled" if fast <= slow else "eager", fast * 1e3, slow * 1e3)
+
+    def _eager(self, bucket: tuple[int, int]) -> bool:
+        """Whether `bucket` runs eager without compiling: it measured eager, or it is unmeasured
+        and every measured width of its batch size went eager (a short first reply may end
+        before a bucket's trials do, so the demo's first question compiled its bucket in every
+        process while the next one's, measured, was eager)."""
+        if bucket in self.chosen:
+            return not self.chosen[bucket]
+        same = [v for (b, _), v in self.chosen.items() if b == bucket[0]]
+        return bool(same) and not any(same)
+
+    def _remembered(self) -> dict[tuple[int, int], bool]:
+        """This machine's earlier choices for this model and setting; {} when none or unreadable."""
+        try:
+            entry = json.loads(self._memo.read_text()).get(self._memo_key, {})
+            return {tuple(int(x) for x in b.split(",")): bool(v) for b, v in entry.items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            return {}
+
+    def _remember(self, bucket: tuple[int, int], compiled: bool) -> None:
+        """Save a bucket's choice, unless it was timed on a busy machine (measured.py)."""
+        if machine_busy() is not None:
+            return
+        try:
+            try:
+                saved = json.loads(self._memo.read_text())
+            except (OSError, ValueError):
+                saved = {}
+            saved.setdefault(self._memo_key, {})[f"{bucket[0]},{bucket[1]}"] = compiled
+            self._memo.parent.mkdir(parents=True, exist_ok=True)
+            self._memo.write_text(json.dumps(saved, indent=1))
+        except (OSError, AttributeError, TypeError):
+            pass
 
     def _fail(self, reason: str) -> None:
         self.failed = reason
@@ -250,6 +306,9 @@ class CompiledDecode:
 
     def _run_layers(self, h, pos, slots, idx, mask) -> torch.Tensor:
         cos, sin = self.model.rotary.cos_sin(pos)
+        if self._fn is None:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._fn = torch.compile(self._layer, fullgraph=True, dynamic=False, mode=self._mode)
         for i, weights in enumerate(self.layers):
             h = self._fn(h, cos, sin, slots, idx, mask, self.pool.k[i], self.pool.v[i], *weights)
         return h
