@@ -202,6 +202,9 @@ def test_two_serve_replicas_sigkill_one_under_load(pg_url, tmp_path, embedder):
     try:
         for url, proc in zip(urls, procs, strict=True):
             _wait_up(url, proc)
+            # --preload: model and embedder loaded before the first request
+            assert httpx.get(url + "/healthz", timeout=5).json() == {"status": "ok", "model_loaded": True,
+                                                                      "embedder_loaded": True}
         # block edits through both replicas: the stale one gets a 409
         put = [httpx.put(f"{u}/v1/users/c0/core/human", headers=headers, timeout=30,
                          json={"value": f"from {i}", "version": 0}) for i, u in enumerate(urls)]

@@ -152,10 +152,12 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict:
-        """Liveness and readiness: the database answers; whether the model is loaded yet."""
+        """Liveness and readiness: the database answers; whether the model and the embedder are
+        loaded yet (`serve --preload` loads both before it accepts requests)."""
         with store.archive.engine.connect() as conn:
             conn.execute(text("select 1"))
-        return {"status": "ok", "model_loaded": services.engine_loaded}
+        return {"status": "ok", "model_loaded": services.engine_loaded,
+                "embedder_loaded": store.embedder_loaded}
 
     @app.get("/metrics", tags=["service"], response_class=Response)
     def metrics() -> Response:

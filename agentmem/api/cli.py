@@ -23,7 +23,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto | cpu | cuda")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-batch", type=int, help="requests decoded together by the engine")
-    p.add_argument("--preload", action="store_true", help="load the model before accepting requests")
+    p.add_argument("--preload", action="store_true",
+                   help="load the model and the embedder before accepting requests")
     d = Limits()
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-message-chars", type=int, default=d.max_message_chars)
@@ -79,6 +80,8 @@ def main(argv: list[str]) -> int:
         engine = load_engine(config)
     app = create_app(config, engine=engine, limits=limits, ui=not args.no_ui, serial=args.serial,
                      reflect_every_turns=args.reflect_every_turns, reflect_idle_s=args.reflect_idle)
+    if args.preload:  # the embedder too: its load (~1.5-3 s) had landed on the first search or chat
+        app.state.services.store.embedder_instance()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
                 log_config=log_config())
     return 0

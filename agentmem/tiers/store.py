@@ -37,6 +37,10 @@ class MemoryStore:
                              cache_bytes=self.config.recall_cache_mb << 20, whiten_pcs=self.config.recall_whiten_pcs)
         self.forget_hooks: list[ForgetHook] = []
 
+    @property
+    def embedder_loaded(self) -> bool:
+        return self._embedder is not None
+
     def embedder_instance(self):
         """The embedder, loaded on first use (the archive alone needs no model)."""
         with self._embedder_lock:
