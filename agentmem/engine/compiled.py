@@ -37,7 +37,6 @@ compile, even from inductor's disk cache, held the first reply of every process 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
@@ -51,7 +50,8 @@ import torch.nn.functional as F
 from .kernels import cpu_avx2, cpu_gemv
 from .kv_pool import KVPool
 from .layers import rms_norm, rotate
-from .measured import machine_busy, simd_flags
+from .linear import kernels_tag
+from .measured import machine_busy, read_memo, simd_flags, write_memo
 from .model import Transformer
 from .threads import TRACE_LOCK
 
@@ -146,9 +146,7 @@ class CompiledDecode:
         self._memo_key = "|".join([
             torch.__version__, f"{a.n_layers}x{a.dim}x{a.hidden_dim}|{a.n_heads},{a.n_kv_heads},{a.head_dim}",
             str(model.embed_tokens.weight.dtype), str(pool.k.dtype), getattr(model, "weights", "?"),
-            f"{torch.get_num_threads()} threads", simd_flags(),
-            cpu_gemv.tag() if cpu_gemv.loaded() is not None else cpu_avx2.tag() if cpu_avx2.loaded() is not None
-            else "no kernels"])
+            f"{torch.get_num_threads()} threads", simd_flags(), kernels_tag()])
         if measure:
             self.chosen.update(self._remembered())
         self._trials: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
@@ -243,25 +241,20 @@ class CompiledDecode:
     def _remembered(self) -> dict[tuple[int, int], bool]:
         """This machine's earlier choices for this model and setting; {} when none or unreadable."""
         try:
-            entry = json.loads(self._memo.read_text()).get(self._memo_key, {})
+            entry = read_memo(self._memo).get(self._memo_key, {})
             return {tuple(int(x) for x in b.split(",")): bool(v) for b, v in entry.items()}
-        except (OSError, ValueError, AttributeError, TypeError):
+        except (ValueError, AttributeError, TypeError):  # an entry of another shape: measured again
             return {}
 
     def _remember(self, bucket: tuple[int, int], compiled: bool) -> None:
         """Save a bucket's choice, unless it was timed on a busy machine (measured.py)."""
         if machine_busy() is not None:
             return
-        try:
-            try:
-                saved = json.loads(self._memo.read_text())
-            except (OSError, ValueError):
-                saved = {}
-            saved.setdefault(self._memo_key, {})[f"{bucket[0]},{bucket[1]}"] = compiled
-            self._memo.parent.mkdir(parents=True, exist_ok=True)
-            self._memo.write_text(json.dumps(saved, indent=1))
-        except (OSError, AttributeError, TypeError):
-            pass
+        saved = read_memo(self._memo)
+        entry = saved.get(self._memo_key)
+        saved[self._memo_key] = entry = entry if isinstance(entry, dict) else {}
+        entry[f"{bucket[0]},{bucket[1]}"] = compiled
+        write_memo(self._memo, saved)
 
     def _fail(self, reason: str) -> None:
         self.failed = reason

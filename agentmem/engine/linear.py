@@ -259,6 +259,13 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
     return fastest(own, shape, cache_dir, rows_math)
 
 
+def kernels_tag() -> str:
+    """Which CPU kernels this process runs (the AVX-512 library, the AVX2 one or none), by their
+    source's hash: part of every key a measurement of them is remembered under."""
+    return (cpu_gemv.tag() if cpu_gemv.loaded() is not None
+            else cpu_avx2.tag() if cpu_avx2.loaded() is not None else "no kernels")
+
+
 def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16") -> str:
     """`own` or int8: int8 only where it runs a one-row product of `shape` [out, in] (decode,
     cold weights) faster here and a PREFILL_ROWS-row one (prefill) at most PREFILL_SLACK
@@ -267,9 +274,7 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     does not decide: on the EPYC VM the int8 kernel decoded 85 tok/s against bf16's 69-75,
     but torch's int8 product had taken a 2,048-token prefill from 834 to 465 tok/s (many rows
     now dequantize to bf16 for the call instead)."""
-    kernels = (cpu_gemv.tag() if cpu_gemv.loaded() is not None
-               else cpu_avx2.tag() if cpu_avx2.loaded() is not None else "no kernels")
-    key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{simd_flags()}|{kernels}"
+    key = f"{torch.__version__}|{shape}|{own}|{torch.get_num_threads()} threads|{simd_flags()}|{kernels_tag()}"
     if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
         key += f"|rows {rows_math}"
     # int8's many rows multiply a dense copy of the dequantized weight wherever the kernels take

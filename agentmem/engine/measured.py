@@ -61,10 +61,7 @@ def remembered(cache_dir: Path | str, name: str, key: str, measure: Callable[[],
     not `valid` (e.g. made by an earlier rule). Measured while `machine_busy`: kept for this
     process only (the entry says why under "unsaved")."""
     memo = Path(cache_dir).expanduser() / name
-    try:
-        saved = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        saved = {}
+    saved = read_memo(memo)
     entry = saved.get(key)
     if isinstance(entry, dict) and valid(entry):
         return entry
@@ -79,12 +76,26 @@ def remembered(cache_dir: Path | str, name: str, key: str, measure: Callable[[],
         log.warning("agentmem: %s measured while the machine was busy (%s): used by this process, not saved",
                     name, busy)
         return entry
+    write_memo(memo, saved)
+    return entry
+
+
+def read_memo(memo: Path) -> dict:
+    """A choice file's entries; {} when it is missing or cannot be read."""
+    try:
+        saved = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def write_memo(memo: Path, saved: dict) -> None:
+    """Write a choice file; one that cannot be written costs a measurement per process, nothing else."""
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         memo.write_text(json.dumps(saved, indent=1))
     except OSError:
         pass
-    return entry
 
 
 def best_seconds(fn: Callable[[], object], repeats: int, per: int = 1) -> float:

@@ -134,7 +134,6 @@ LOOKBACK_IDS = 1000 << 12  # a second of row ids (tiers/ids.py: a millisecond ti
 _MESSAGE, _MEMORY = 0, 1
 _VIEW_TEXT, _VIEW_CONTEXT, _VIEW_SENTENCE = 0, 1, 2
 SENTENCE_MIN_WORDS = 16  # a turn this long with two sentences or more gets a vector per sentence too
-_SENTENCE = SENTENCE_BREAK
 _INDEX_VERSION = 10  # 6: a vector per sentence of long turns; 7: each turn's speaker; 8: word statistics;
 # 9: no numerals among them (specific.topical); 10: captions in the text view and the priors (keys.with_keys)
 _DATES = re.compile(r"\b(?:yesterday|today|tonight|last|ago|weekend|monday|tuesday|wednesday|thursday|friday|"
@@ -163,7 +162,7 @@ def sentences(text: str) -> list[str]:
     them apart (the turn's `dense` rank is its best vector's)."""
     if len(text.split()) < SENTENCE_MIN_WORDS:
         return []
-    parts = [p.strip() for p in _SENTENCE.split(text) if len(p.split()) >= 3]
+    parts = [p.strip() for p in SENTENCE_BREAK.split(text) if len(p.split()) >= 3]
     return parts if len(parts) > 1 else []
 
 
