@@ -12,8 +12,13 @@ from agentmem.engine.linear import Proj
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    lib = cpu_avx2.load(tmp_path_factory.mktemp("cache"))
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def lib(cache):
+    lib = cpu_avx2.load(cache)
     if lib is None:
         pytest.skip(f"no AVX2 int8 kernel here: {cpu_avx2.why_not}")
     return lib
@@ -24,9 +29,10 @@ def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-# rows up to 16 (4-row tiles and a ragged last one), K past one int32 chunk (2,048 inputs),
-# K not a multiple of 16 (the scalar tails of the quantizer)
-@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 48, 576), (5, 576, 1536), (16, 32, 4100), (2, 16, 34)])
+# rows up to 16 (4-row tiles, or 8-row ones on AVX512-VNNI, and a ragged last one), K past one
+# int32 chunk (2,048 inputs), K not a multiple of 16 (the scalar tails of the quantizer)
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 48, 576), (5, 576, 1536), (16, 32, 4100), (2, 16, 34),
+                                          (11, 64, 576)])
 def test_gemv_q8_matches_the_dequantized_product(lib, rows, out, inp):
     g = torch.Generator().manual_seed(rows * out + inp)
     q, scale = _int8(torch.randn(out, inp, generator=g) * 0.05)
@@ -40,6 +46,45 @@ def test_gemv_q8_matches_the_dequantized_product(lib, rows, out, inp):
     # the row's largest sum, far below int8 weights' own
     assert (y - ref).abs().max() < 2e-3 * ref.abs().max()
     assert not torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.skipif(not cpu_avx2.vnni512_ok(), reason="the CPU has no AVX512-VNNI")
+def test_the_avx512_vnni_products_give_the_avx2_products_bits(lib, cache):
+    """The library built with its AVX512-VNNI tile (8 rows a tile, `vpdpwssd`) and without it
+    (4 rows, `vpmaddwd`): the same int32 sums and fp32 arithmetic, so the same bits (the fused
+    layer's tests compare its residual form with the separate calls on whichever is loaded)."""
+    libs = {}
+    for name, flags in (("avx2", cpu_avx2._AVX2_FLAGS), ("vnni", cpu_avx2._AVX2_FLAGS + cpu_avx2.VNNI512_FLAGS)):
+        libs[name], why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, flags, cpu_avx2._SIGNATURES, cache)
+        assert libs[name] is not None, why
+    g = torch.Generator().manual_seed(5)
+    for rows, out, inp in [(1, 960, 576), (8, 576, 1536), (13, 3072, 576), (16, 32, 4100), (7, 16, 34)]:
+        q, scale = _int8(torch.randn(out, inp, generator=g) * 0.05)
+        x, b = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
+        ys = {name: cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, x, b) for name, lib in libs.items()}
+        assert torch.equal(ys["avx2"], ys["vnni"]), (rows, out, inp)
+
+
+def test_the_products_tile_is_timed_once_per_machine_and_remembered(lib, cache, monkeypatch):
+    import json
+
+    monkeypatch.setenv("AGENTMEM_GEMV_VNNI512", "sometimes")
+    with pytest.raises(ValueError, match="AGENTMEM_GEMV_VNNI512"):
+        cpu_avx2.choose_tile(cache)
+    monkeypatch.setenv("AGENTMEM_GEMV_VNNI512", "off")
+    assert cpu_avx2.choose_tile(cache) is False
+    monkeypatch.setenv("AGENTMEM_GEMV_VNNI512", "auto")
+    vnni = "-DAGENTMEM_VNNI512" in cpu_avx2._FLAGS  # what `load` took for this module's library
+    assert (cpu_avx2.PRODUCT_MAX_ROWS == cpu_avx2.VNNI512_PRODUCT_MAX_ROWS) == vnni
+    if not cpu_avx2.vnni512_ok():
+        assert not vnni and cpu_avx2.choose_tile(cache) is False
+        return
+    chosen = cpu_avx2.choose_tile(cache)  # timed now where `load` did not (AGENTMEM_GEMV_VNNI512 was off)
+    (entry,) = json.loads((cache / "avx2-tile-choice.json").read_text()).values()
+    assert set(entry["us"]) == {"avx2", "vnni512"} and entry["tile"] == min(entry["us"], key=entry["us"].get)
+    assert chosen == (entry["tile"] == "vnni512")
+    monkeypatch.setattr(cpu_avx2, "best_seconds_each", lambda *a, **k: pytest.fail("timed again"))
+    assert cpu_avx2.choose_tile(cache) == chosen  # remembered
 
 
 def test_gemv_q8_reads_strided_rows_and_checks_its_input(lib):
@@ -56,6 +101,8 @@ def test_gemv_q8_reads_strided_rows_and_checks_its_input(lib):
 def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized_copy_for_many(lib, monkeypatch):
     if cpu_gemv.loaded() is not None:
         monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: no AVX512-BF16 kernels
+    # with the AVX512-VNNI tile every row count takes the kernel (`load`); the AVX2 tile's bound here
+    monkeypatch.setattr(cpu_avx2, "PRODUCT_MAX_ROWS", 48)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(192, 576, generator=g) * 0.05
     b = torch.randn(192, generator=g)
@@ -74,7 +121,7 @@ def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized
     assert len(calls) == 3  # the rows up to PRODUCT_MAX_ROWS; more went through the fp32 copy
     assert p._rows_w_t is not None and p._rows_w_t.shape == (576, 192)
     # the copy multiplies exactly as the dense fp32 format would
-    x = torch.randn(60, 576, generator=g)
+    x = torch.randn(cpu_avx2.PRODUCT_MAX_ROWS + 12, 576, generator=g)
     assert torch.allclose(p(x), x @ ref_w.t() + b, atol=1e-4)
 
 

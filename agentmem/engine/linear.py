@@ -19,8 +19,9 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   kernels int8 buys decode speed, not memory. (fbgemm's
   int8 x int8 product, which also quantizes each activation row, ran 2x faster per row but
   raised SmolLM2's perplexity by 15%: the activations have outlier channels.) On an AVX2-only
-  CPU (fp32 engine) up to `cpu_avx2.PRODUCT_MAX_ROWS` (48) rows take `kernels/cpu_avx2.py`'s product (the
-  rows quantized to int16 with a scale each, `vpmaddwd`), more rows a transposed fp32 copy of
+  CPU (fp32 engine) up to `cpu_avx2.PRODUCT_MAX_ROWS` (48; any number on AVX512-VNNI) rows take
+  `kernels/cpu_avx2.py`'s product (the rows quantized to int16 with a scale each, `vpmaddwd`, or
+  `vpdpwssd` on a CPU with AVX512-VNNI but no AVX512-BF16), more rows a transposed fp32 copy of
   the dequantized weight: on a Zen 3 VM a token's products 9 ms against 48 for fp32 (`torch.mm`)
   and 114 for `_weight_int8pack_mm`.
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and

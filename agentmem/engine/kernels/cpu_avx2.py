@@ -27,13 +27,15 @@ given this library's C functions and fp32.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from ..measured import cpu_flags
+from ..measured import best_seconds_each, cpu_flags, remembered, simd_flags
 from . import cpu_gemv
 
 _SOURCE = r"""
@@ -82,6 +84,46 @@ static void quantize(const float *xr, int64_t K, int16_t *q, float *xs) {
     for (; k < K; k++) q[k] = (int16_t)lrintf(xr[k] * inv);
 }
 
+#ifdef AGENTMEM_VNNI512
+/* The products on AVX512-VNNI (`vnni512`: a CPU with AVX-512 and VNNI but no AVX512-BF16, where the
+   engine runs fp32 on this library): the same int16 rows and int8 weights in the same layout,
+   the 32 bytes of an input pair's 16 outputs sign-extended into one 512-bit register
+   (`vpmovsxbw`) and multiplied into 16 int32 sums by one `vpdpwssd` a row, where AVX2 takes two
+   `vpmaddwd` and two adds; 8 rows at a time (16 accumulators of AVX-512's 32 registers). The
+   int32 sums are the AVX2 code's, and their fp32 arithmetic is too, lane for lane: the same
+   bits. */
+#define TILE_ROWS 8
+/* in asm: the intrinsic made GCC copy every accumulator a step (a register move per product) */
+#define DPWSSD(acc, w, x) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+static inline __attribute__((always_inline)) void tile(const int8_t *wg, int64_t K, const int16_t *x, const int mb,
+                                                       float *y, int64_t N, int64_t n, const float *s,
+                                                       const float *xs, const float *b, const float *r) {
+    __m512 f[8];
+    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += I16_CHUNK) {
+        const int64_t k1 = K - k0 < I16_CHUNK ? K : k0 + I16_CHUNK;
+        __m512i acc[8];
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += 2) {
+            if ((k & 3) == 0) _mm_prefetch((const char *)wg + 16 * k + AHEAD, _MM_HINT_T0);
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 16 * k)));
+            for (int i = 0; i < mb; i++) {
+                int32_t pair;
+                memcpy(&pair, x + i * K + k, 4);
+                DPWSSD(acc[i], w, _mm512_set1_epi32(pair));
+            }
+        }
+        for (int i = 0; i < mb; i++) f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(acc[i]));
+    }
+    const __m512 sv = _mm512_loadu_ps(s + n);
+    for (int i = 0; i < mb; i++) {
+        __m512 v = _mm512_mul_ps(f[i], _mm512_mul_ps(sv, _mm512_set1_ps(xs[i])));
+        if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + n));
+        if (r) v = _mm512_add_ps(v, _mm512_loadu_ps(r + i * N + n));
+        _mm512_storeu_ps(y + i * N + n, v);
+    }
+}
+#else
 /* `mb` (1-4) int16 rows of a 16-output group (wg: [K/2][16][2] int8) into y (fp32):
    y = sum * s[n] * xs[i] (+ b[n]) (+ r[i, n]: a residual, rows N apart like y's). */
 static inline __attribute__((always_inline)) void tile(const int8_t *wg, int64_t K, const int16_t *x, const int mb,
@@ -121,20 +163,25 @@ static inline __attribute__((always_inline)) void tile(const int8_t *wg, int64_t
     }
 }
 
-/* Every row of 16-output group g: the rows 4 at a time. */
+#define TILE_ROWS 4
+#endif
+
+/* Every row of 16-output group g: the rows TILE_ROWS at a time. */
 static void group(const int8_t *w, const float *scale, const int16_t *xq, const float *xs, float *y,
                   const float *b, const float *r, int64_t M, int64_t N, int64_t K, int64_t g) {
     const int8_t *wg = w + g * 16 * K;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const int16_t *xm = xq + m0 * K;
         float *ym = y + m0 * N;
         const float *rm = r ? r + m0 * N : NULL;
-        switch (M - m0 < 4 ? M - m0 : 4) {
-            case 4: tile(wg, K, xm, 4, ym, N, g * 16, scale, xs + m0, b, rm); break;
-            case 3: tile(wg, K, xm, 3, ym, N, g * 16, scale, xs + m0, b, rm); break;
-            case 2: tile(wg, K, xm, 2, ym, N, g * 16, scale, xs + m0, b, rm); break;
-            default: tile(wg, K, xm, 1, ym, N, g * 16, scale, xs + m0, b, rm); break;
+        #define T(mb) case mb: tile(wg, K, xm, mb, ym, N, g * 16, scale, xs + m0, b, rm); break;
+        switch (M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS) {
+#if TILE_ROWS == 8
+            T(8) T(7) T(6) T(5)
+#endif
+            T(4) T(3) T(2) default: tile(wg, K, xm, 1, ym, N, g * 16, scale, xs + m0, b, rm); break;
         }
+        #undef T
     }
 }
 
@@ -627,7 +674,16 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
 
 # -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
 # function rounds alike at every call site (the fused layer and the separate calls give the same bits)
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+VNNI512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DAGENTMEM_VNNI512"]
+
+
+def vnni512_ok() -> bool:
+    """Whether the CPU can run the products' AVX512-VNNI tile."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags()
+
+
+_FLAGS = _AVX2_FLAGS  # the loaded library's flags: `load` adds VNNI512_FLAGS where `choose_tile` takes them
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
@@ -648,7 +704,17 @@ MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decod
 # against the fp32 copy's torch.mm at 16 / 24 / 32 / 48 / 64 rows: gate_up (3072 x 576) 0.49 /
 # 0.61 / 0.82 / 1.28 / 1.63 ms against 0.78 / 0.90 / 1.16 / 1.54 / 2.04; down (576 x 1536) 0.21 /
 # 0.32 / 0.42 / 0.63 / 0.92 against 0.28 / 0.39 / 0.48 / 0.70 / 0.79; qkv (960 x 576) even at 64.
+# With the AVX512-VNNI tile the kernel wins at every row count (a 2-core Xeon VM, Cascade Lake:
+# avx512_vnni, no avx512_bf16, session 38): alone, kernel / torch.mm in ms, best of 20, gate_up
+# at 64 / 128 / 256 / 512 rows 1.25 / 2.17 / 4.35 / 8.88 against 2.53 / 3.13 / 5.98 / 7.53, down
+# 0.67 / 0.70 / 1.79 / 4.71 against 1.08 / 1.14 / 2.41 / 5.56, qkv 0.32 / 0.67 / 1.32 / 2.88
+# against 0.55 / 0.81 / 1.57 / 3.45; inside the forward, where the fp32 copy streams four times
+# the int8 bytes, time to first token (alternated, min of 3) 0.55-0.59 -> 0.43 s at 350 tokens,
+# 0.77-0.93 -> 0.62-0.64 at 500, 1.52-1.89 -> 1.29-1.75 at 1,000, and a 2,048-token prefill
+# 4.87-5.40 -> 4.03-4.72 s. So there every row takes it and no fp32 copy is made (int8 is then a
+# memory format too).
 PRODUCT_MAX_ROWS = 48
+VNNI512_PRODUCT_MAX_ROWS = 1 << 62  # `load` sets PRODUCT_MAX_ROWS to this with the VNNI tile
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
@@ -663,8 +729,52 @@ def cpu_ok() -> bool:
 
 
 def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
-    """The compiled kernel (built into `<cache_dir>/kernels` the first time), or None."""
+    """The compiled kernel (built into `<cache_dir>/kernels` the first time), or None. Its
+    products' tile is `choose_tile`'s."""
+    global _FLAGS, PRODUCT_MAX_ROWS
+    with _lock:
+        if not _tried and cpu_ok() and os.environ.get("AGENTMEM_GEMV", "on") != "off" and choose_tile(cache_dir):
+            _FLAGS = _AVX2_FLAGS + VNNI512_FLAGS
+            PRODUCT_MAX_ROWS = VNNI512_PRODUCT_MAX_ROWS
     return cpu_gemv.load_once(sys.modules[__name__], "gemv_avx2", cpu_ok, "AVX2/FMA/F16C", cache_dir)
+
+
+def choose_tile(cache_dir: Path | str | None) -> bool:
+    """Whether the products take the AVX512-VNNI tile: AGENTMEM_GEMV_VNNI512 = auto (the default:
+    on a CPU that has AVX512-VNNI, both builds' products timed in turns over cold weights, one
+    row and eight together, once per machine and remembered under `cache_dir`) | on | off. The
+    two give the same bits, so this is a choice of speed alone. On the Cascade Lake VM of session
+    38 the VNNI tile took eight rows' products from 16.2 to 8.7-10.9 ms and one row's from 7.4-7.8
+    to 7.2-7.6."""
+    mode = os.environ.get("AGENTMEM_GEMV_VNNI512", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"AGENTMEM_GEMV_VNNI512 must be auto, on or off, got {mode!r}")
+    if mode == "off" or not vnni512_ok():
+        return False
+    if mode == "on":
+        return True
+    cache_dir = Path(tempfile.gettempdir()) / "agentmem" if cache_dir is None else cache_dir
+    key = f"avx2-tile|{cpu_gemv.source_tag('t', _SOURCE, _AVX2_FLAGS + VNNI512_FLAGS)}|{torch.get_num_threads()}|{simd_flags()}"
+
+    def measure() -> dict:
+        libs = {}
+        for name, flags in (("avx2", _AVX2_FLAGS), ("vnni512", _AVX2_FLAGS + VNNI512_FLAGS)):
+            libs[name], why = cpu_gemv.build("gemv_avx2", _SOURCE, flags, _SIGNATURES, cache_dir)  # load's file
+            if libs[name] is None:
+                return {"tile": "avx2", "why": why}
+        g = torch.Generator().manual_seed(0)
+        copies = 48  # 85 MB of int8 weights: more than a last-level cache, as a decode streams them
+        packed = [cpu_gemv.pack(torch.randint(-127, 128, (3072, 576), generator=g, dtype=torch.int8))
+                  for _ in range(copies)]
+        scale = torch.full((3072,), 1e-3)
+        rows = {m: torch.randn(m, 576, generator=g) for m in (1, 8)}
+        runs = {(t, m): (lambda lib=lib, x=x: [gemv_q8(lib, p, scale, x) for p in packed])
+                for t, lib in libs.items() for m, x in rows.items()}
+        each = best_seconds_each(runs, 6, copies)
+        us = {t: round(sum(v for (t_, _m), v in each.items() if t_ == t) * 1e6, 1) for t in libs}
+        return {"tile": min(us, key=us.get), "us": us}
+
+    return remembered(cache_dir, "avx2-tile-choice.json", key, measure)["tile"] == "vnni512"
 
 
 def loaded() -> ctypes.CDLL | None:
