@@ -377,6 +377,80 @@ static inline __attribute__((always_inline)) void scores_any(const void *kp, con
     }
 }
 
+#ifdef AGENTMEM_VNNI512
+/* The same two steps 16 dims a vector, in the library built for AVX-512 (`vnni512`), for a head
+   dimension that is a multiple of 16: a key's dot product takes half the instructions, and the
+   weighted sum of V holds up to 4 heads x 64 dims in registers (16 of AVX-512's 32), one pass
+   over the keys where AVX2 made three for SmolLM2's 3 heads of 64. Their sums run in another
+   order than the AVX2 code's (16 lanes folded to 8), so the bits differ from that build's by
+   rounding; within this build the fused layer and the separate calls agree as before. */
+static inline __attribute__((always_inline)) __m512 ld16(const void *pool, int64_t i, const int H16) {
+    return H16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + i)))
+               : _mm512_loadu_ps((const float *)pool + i);
+}
+
+static inline __attribute__((always_inline)) __m256 fold16(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+static inline __attribute__((always_inline)) void scores8_16(const void *kp, const int64_t *slot, int64_t ldv,
+                                                             int64_t off, const float *qg, const int64_t N16,
+                                                             __m256 sc, float *s, const int H16) {
+    int64_t k[8];
+    for (int j = 0; j < 8; j++) k[j] = slot[j] * ldv + off;
+    __m512 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < N16; d++) {
+        const __m512 qv = _mm512_loadu_ps(qg + 16 * d);
+        for (int j = 0; j < 8; j++) a[j] = _mm512_fmadd_ps(ld16(kp, k[j] + 16 * d, H16), qv, a[j]);
+    }
+    __m256 h[8];
+    for (int j = 0; j < 8; j++) h[j] = fold16(a[j]);
+    _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(h), sc));
+}
+
+static inline __attribute__((always_inline)) void scores_any16(const void *kp, const int64_t *slot, int64_t ldv,
+                                                               int64_t off, const float *qg, int64_t n16,
+                                                               __m256 sc, float *s, const int H16) {
+    switch (n16) {
+        case 4: scores8_16(kp, slot, ldv, off, qg, 4, sc, s, H16); break;
+        case 8: scores8_16(kp, slot, ldv, off, qg, 8, sc, s, H16); break;
+        default: scores8_16(kp, slot, ldv, off, qg, n16, sc, s, H16); break;
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_heads16(const void *vp, const int64_t *slot, int64_t n,
+                                                             int64_t ldv, int64_t off, const float *s, int64_t ls,
+                                                             const int GN, const int ND, float *o, int64_t ldo,
+                                                             const int H16) {
+    __m512 acc[16];
+    for (int i = 0; i < GN * ND; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t v = slot[t] * ldv + off;
+        __m512 p[4];
+        for (int g = 0; g < GN; g++) p[g] = _mm512_set1_ps(s[g * ls + t]);
+        for (int d = 0; d < ND; d++) {
+            const __m512 vv = ld16(vp, v + 16 * d, H16);
+            for (int g = 0; g < GN; g++) acc[g * ND + d] = _mm512_fmadd_ps(p[g], vv, acc[g * ND + d]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int d = 0; d < ND; d++) _mm512_storeu_ps(o + g * ldo + 16 * d, acc[g * ND + d]);
+}
+
+#define PV16_WIDTH 4  /* 16-dim vectors a pass: 4 heads x 4 accumulators, 4 scores and one V in 32 registers */
+static inline __attribute__((always_inline)) void pv_any16(const void *vp, const int64_t *slot, int64_t n,
+                                                           int64_t ldv, int64_t off, const float *s, int64_t ls,
+                                                           int gn, int nd, float *o, int64_t ldo, const int H16) {
+    #define PV(GN, ND) case GN * 16 + ND: pv_heads16(vp, slot, n, ldv, off, s, ls, GN, ND, o, ldo, H16); break;
+    switch (gn * 16 + nd) {
+        PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
+        PV(3, 1) PV(3, 2) PV(3, 3) PV(3, 4) PV(4, 1) PV(4, 2) PV(4, 3) PV(4, 4)
+    }
+    #undef PV
+}
+#endif
+
 /* Item (b, c): row b's keys [c * ch, (c + 1) * ch) of W; per head h, part[h * (hd + 2)] holds the
    chunk's score maximum, its exp sum and its unnormalised V sum [hd] (sum 0: no key kept). The
    kept keys' slots are padded to a multiple of 8 with the last one, so every 8 keys are scored
@@ -411,6 +485,13 @@ static inline __attribute__((always_inline)) void da_item(const float *q, int64_
                             _mm_prefetch((const char *)kp + (slot[j] * ldv + kvh * hd) * es + 64 * l, _MM_HINT_T0);
                             _mm_prefetch((const char *)vp + (slot[j] * ldv + kvh * hd) * es + 64 * l, _MM_HINT_T0);
                         }
+#ifdef AGENTMEM_VNNI512
+                if (hd % 16 == 0) {
+                    for (int64_t g = 0; g < gb; g++)
+                        scores_any16(kp, slot + t0, ldv, kvh * hd, qg + g * hd, hd / 16, sc, s + g * ch + t0, H16);
+                    continue;
+                }
+#endif
                 for (int64_t g = 0; g < gb; g++) scores_any(kp, slot + t0, ldv, kvh * hd, qg + g * hd, nd, sc, s + g * ch + t0, H16);
             }
             for (int64_t g = 0; g < gb; g++) {  /* softmax numerators in place, their maximum and sum */
@@ -431,6 +512,17 @@ static inline __attribute__((always_inline)) void da_item(const float *q, int64_
             }
             for (int64_t i = 0; i < gb;) {  /* the weighted sum of V: up to 4 heads a pass over the keys */
                 const int64_t left = gb - i, gn = left <= 4 ? left : left == 5 || left == 6 ? 3 : 4;
+#ifdef AGENTMEM_VNNI512
+                if (hd % 16 == 0) {
+                    const int64_t n16 = hd / 16;
+                    for (int64_t d0 = 0; d0 < n16; d0 += PV16_WIDTH)
+                        pv_any16(vp, slot, n, ldv, kvh * hd + 16 * d0, s + i * ch, ch, (int)gn,
+                                 (int)(n16 - d0 < PV16_WIDTH ? n16 - d0 : PV16_WIDTH), part + (h0 + i) * ldp + 2 + 16 * d0,
+                                 ldp, H16);
+                    i += gn;
+                    continue;
+                }
+#endif
                 const int64_t w = pv_width((int)gn);
                 for (int64_t d0 = 0; d0 < nd; d0 += w)
                     pv_any(vp, slot, n, ldv, kvh * hd + 8 * d0, s + i * ch, ch, (int)gn,
