@@ -83,7 +83,7 @@ def test_the_products_tile_is_timed_once_per_machine_and_remembered(lib, cache, 
     (entry,) = json.loads((cache / "avx2-tile-choice.json").read_text()).values()
     assert set(entry["us"]) == {"avx2", "vnni512"} and entry["tile"] == min(entry["us"], key=entry["us"].get)
     assert chosen == (entry["tile"] == "vnni512")
-    monkeypatch.setattr(cpu_avx2, "best_seconds_each", lambda *a, **k: pytest.fail("timed again"))
+    monkeypatch.setattr(cpu_gemv, "cold_int8_seconds", lambda *a, **k: pytest.fail("timed again"))
     assert cpu_avx2.choose_tile(cache) == chosen  # remembered
 
 

@@ -29,13 +29,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from ..measured import best_seconds_each, cpu_flags, remembered, simd_flags
+from ..measured import cpu_flags, remembered, simd_flags
 from . import cpu_gemv
 
 _SOURCE = r"""
@@ -845,7 +844,7 @@ def choose_tile(cache_dir: Path | str | None) -> bool:
         return False
     if mode == "on":
         return True
-    cache_dir = Path(tempfile.gettempdir()) / "agentmem" if cache_dir is None else cache_dir
+    cache_dir = cpu_gemv.kernel_cache(cache_dir)
     key = f"avx2-tile|{cpu_gemv.source_tag('t', _SOURCE, _AVX2_FLAGS + VNNI512_FLAGS)}|{torch.get_num_threads()}|{simd_flags()}"
 
     def measure() -> dict:
@@ -854,16 +853,9 @@ def choose_tile(cache_dir: Path | str | None) -> bool:
             libs[name], why = cpu_gemv.build("gemv_avx2", _SOURCE, flags, _SIGNATURES, cache_dir)  # load's file
             if libs[name] is None:
                 return {"tile": "avx2", "why": why}
-        g = torch.Generator().manual_seed(0)
-        copies = 48  # 85 MB of int8 weights: more than a last-level cache, as a decode streams them
-        packed = [cpu_gemv.pack(torch.randint(-127, 128, (3072, 576), generator=g, dtype=torch.int8))
-                  for _ in range(copies)]
-        scale = torch.full((3072,), 1e-3)
-        rows = {m: torch.randn(m, 576, generator=g) for m in (1, 8)}
-        runs = {(t, m): (lambda lib=lib, x=x: [gemv_q8(lib, p, scale, x) for p in packed])
-                for t, lib in libs.items() for m, x in rows.items()}
-        each = best_seconds_each(runs, 6, copies)
-        us = {t: round(sum(v for (t_, _m), v in each.items() if t_ == t) * 1e6, 1) for t in libs}
+        times = cpu_gemv.cold_int8_seconds({t: (cpu_gemv.pack, lambda p, scale, x, lib=lib: gemv_q8(lib, p, scale, x))
+                                            for t, lib in libs.items()}, torch.float32)
+        us = {t: round(v * 1e6, 1) for t, v in times.items()}
         return {"tile": min(us, key=us.get), "us": us}
 
     return remembered(cache_dir, "avx2-tile-choice.json", key, measure)["tile"] == "vnni512"

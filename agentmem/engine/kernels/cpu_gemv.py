@@ -1596,7 +1596,7 @@ def build(name: str, source: str, flags: list[str], signatures: dict, cache_dir:
         log.info("agentmem: %s kernels off: %s", name, why)
         return None, why
     tag = hashlib.sha256((source + " ".join(flags) + cc).encode()).hexdigest()[:16]
-    base = Path(cache_dir).expanduser() if cache_dir is not None else Path(tempfile.gettempdir()) / "agentmem"
+    base = kernel_cache(cache_dir)
     so = base / "kernels" / f"{name}-{tag}.so"
     try:
         if not so.exists():
@@ -1616,6 +1616,32 @@ def build(name: str, source: str, flags: list[str], signatures: dict, cache_dir:
         why = f"{type(exc).__name__}: {exc} {err.decode(errors='replace')[:300]}".strip()
         log.warning("agentmem: %s kernels off, using torch's products: %s", name, why)
         return None, why
+
+
+def kernel_cache(cache_dir: Path | str | None) -> Path:
+    """Where kernel builds and their timings go: `cache_dir`, or a folder of the temp dir."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else Path(tempfile.gettempdir()) / "agentmem"
+
+
+COLD_COPIES = 48  # 85 MB of int8 weights: more than a last-level cache, as a decode streams them
+
+
+def cold_int8_seconds(candidates: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., object]]],
+                      dtype: torch.dtype) -> dict[str, float]:
+    """Seconds per product of each candidate `name -> (pack, multiply)` over COLD_COPIES
+    3,072 x 576 int8 weights read cold, one row's product plus eight rows' (rows in `dtype`),
+    every (candidate, rows) timed in turns (`best_seconds_each`): what the int8 route and tile
+    choices compare. `multiply(packed, scale, x)` runs one product."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 3072, 576
+    q = [torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) for _ in range(COLD_COPIES)]
+    scale = torch.full((n,), 1e-3)
+    rows = {m: torch.randn(m, k, generator=g).to(dtype) for m in (1, 8)}
+    packed = {c: [pack_fn(w) for w in q] for c, (pack_fn, _) in candidates.items()}
+    runs = {(c, m): (lambda c=c, x=x: [candidates[c][1](p, scale, x) for p in packed[c]])
+            for c in candidates for m, x in rows.items()}
+    each = best_seconds_each(runs, 6, COLD_COPIES)
+    return {c: sum(t for (c_, _m), t in each.items() if c_ == c) for c in candidates}
 
 
 def source_tag(prefix: str, source: str, flags: list[str]) -> str:
@@ -1678,17 +1704,9 @@ def choose_q8(cache_dir: Path | str) -> str:
     key = f"q8-fused|{tag()}|{torch.get_num_threads()}|{simd_flags()}"
 
     def measure() -> dict:
-        g = torch.Generator().manual_seed(0)
-        n, k = 3072, 576
-        copies = 48  # 85 MB of int8 weights: more than a last-level cache, as a decode streams them
-        q = [torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) for _ in range(copies)]
-        scale = torch.full((n,), 1e-3)
-        rows = {m: torch.randn(m, k, generator=g).to(torch.bfloat16) for m in (1, 8)}
-        packed = {r: [pack_u8(w) if r == "u8" else pack(w) for w in q] for r in Q8_ROUTES}
-        runs = {(r, m): (lambda x=x, r=r: [gemv(_lib, p, x, scale=scale, i16=r == "i16") for p in packed[r]])
-                for r in Q8_ROUTES for m, x in rows.items()}
-        each = best_seconds_each(runs, 6, copies)
-        times = {r: sum(t for (r_, _m), t in each.items() if r_ == r) for r in Q8_ROUTES}
+        times = cold_int8_seconds({r: (pack_u8 if r == "u8" else pack,
+                                       lambda p, scale, x, r=r: gemv(_lib, p, x, scale=scale, i16=r == "i16"))
+                                   for r in Q8_ROUTES}, torch.bfloat16)
         return {"route": pick_q8(times), "us": {r: round(t * 1e6, 1) for r, t in times.items()}}
 
     q8_route = remembered(cache_dir, "gemv-choice.json", key, measure)["route"]
