@@ -450,6 +450,60 @@ def test_embedder_dtype_setting():
         load_embedder(dtype="float16")
 
 
+def test_a_query_takes_the_lean_forward_with_the_models_own_vectors(embedder):
+    """The quick lane's forward (tiers/lean.py) gives `encode`'s vectors (fp32: rounding
+    only), on questions, odd text and a text past the model's 256 tokens; bulk calls keep
+    `encode` (batches, padding)."""
+    import numpy as np
+    import torch
+
+    from agentmem.tiers.lean import LeanBert
+
+    if next(embedder.model.parameters()).dtype != torch.float32:
+        pytest.skip("the fp32 comparison: this embedder is bf16")
+    assert isinstance(embedder.lean, LeanBert)
+    texts = ["Which instrument did Priya pick up?", "", "  spaces   around  ", "NEAR * \" : ( )",
+             "Ünïcödé — naïve café 東京 🎻", "word " * 400, "When did Tom move house? " * 3]
+    got = embedder.lean(texts)
+    want = embedder._encode(texts)
+    assert got.shape == want.shape == (len(texts), embedder.dim)
+    assert np.abs(got - want).max() < 1e-5
+    assert np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
+    # the lanes: a query goes through the lean forward, a long text through encode
+    calls = []
+    lean, encode = embedder.lean, embedder._encode
+    try:
+        embedder.lean = lambda t: calls.append(("lean", len(t))) or lean(t)
+        embedder._encode = lambda t: calls.append(("encode", len(t))) or encode(t)
+        embedder.embed(["a short question?"])
+        embedder.embed(["long " * 200])
+    finally:
+        embedder.lean = lean
+        del embedder._encode
+    assert calls == [("lean", 1), ("encode", 1)]
+
+
+def test_the_lean_forward_refuses_what_it_does_not_compute(embedder):
+    """A model of another layout gets no lean forward, and one whose vectors differ from the
+    model's own fails the check (the queries then use `encode`)."""
+    import numpy as np
+
+    from agentmem.tiers.lean import LeanBert
+
+    assert LeanBert.of(object()) is None
+    assert LeanBert.of([embedder.model[0]]) is None  # no pooling module
+    lean = LeanBert.of(embedder.model)
+    assert lean is not None
+    assert lean.check(embedder._encode, 1e-3)
+    assert not lean.check(lambda t: np.roll(embedder._encode(t), 1, axis=1), 1e-3)
+
+    def broken(texts):
+        raise RuntimeError("no")
+
+    lean._one = broken
+    assert not lean.check(embedder._encode, 1e-3)
+
+
 # --- events as time anchors, neighbour turns, looped replies, sentence vectors ----------------
 LONG = ("Hey! sorry I have been so quiet, work has been chaos all week with three deadlines and a broken printer. "
         "Oh and we finally adopted a greyhound from the shelter, she is called Pepper.")

@@ -700,9 +700,19 @@ class Recall:
         event_pq = None
         if pq.anchor is not None and since is None and until is None:
             event_pq = parse_query(" ".join([pq.anchor.phrase, *pq.people]), sorted(ui.speakers), conv_now)
+        # the question's full-text search needs no vector: it runs on a pool thread while the
+        # question is embedded here (both leave the GIL: SQLite's query, torch's forward)
+        lexical = None
+        if "lexical" in use and dense:
+            lexical = _EVENTS.submit(self._lexical, tenant_id, user_id, ui, pq.terms, exclude, since, until)
         # the question and the event it is dated by, in one embedder call, outside the user's lock
         texts = [q.dense_text for q in (pq, event_pq) if q is not None] if dense else []
-        vecs = self.embedder.embed(texts, owner=tenant_id) if texts else None
+        try:
+            vecs = self.embedder.embed(texts, owner=tenant_id) if texts else None
+        except BaseException:
+            if lexical is not None:
+                lexical.cancel()
+            raise
         event = None
         if event_pq is not None:
             # the event's own search runs beside the question's retrievers, which do not need
@@ -712,16 +722,17 @@ class Recall:
                                    None if vecs is None else vecs[1:2], use, exclude, 1, None, None, conv_now,
                                    brief=True)
         return self._fused(tenant_id, user_id, ui, pq, None if vecs is None else vecs[:1], use, exclude, k,
-                           since, until, now or conv_now, event=event, own_replies=own_replies)
+                           since, until, now or conv_now, event=event, own_replies=own_replies, lexical=lexical)
 
     def _fused(self, tenant_id: str, user_id: str, ui: UserIndex, pq: ParsedQuery, qvec: np.ndarray | None,
                use: set[str], exclude: frozenset, k: int, since: datetime | None, until: datetime | None,
                now: datetime, brief: bool = False, event: Future | None = None,
-               own_replies: bool = True) -> list[Hit]:
+               own_replies: bool = True, lexical: Future | None = None) -> list[Hit]:
         """Candidates from every retriever in `use` and the votes, fused and ranked (`search`).
         `brief`: the hits only, without their neighbour turns (a question's dating event).
         `event`: the search for the event the question is dated by (`pq.anchor`); its best
-        hit sets the time window, reckoned from there."""
+        hit sets the time window, reckoned from there. `lexical`: the full-text results
+        (`_lexical`), already asked for."""
         cands: dict[tuple[int, int], _Cand] = {}
         with self._lock(tenant_id, user_id):
             if qvec is not None and ui.index.ntotal:
@@ -736,20 +747,24 @@ class Recall:
             self._vote("time", tenant_id, user_id, ui, qvec, pq, use, exclude, cands,
                        pq.window.since - WINDOW_SLACK, pq.window.until + WINDOW_SLACK)
         if "lexical" in use:
-            found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until)
-            for rank, mid, share in _tied_ranks(found):
-                c = cands.setdefault((_MESSAGE, mid), _Cand(_MESSAGE, mid))
-                c.ranks["lexical"], c.lexical_share = rank, share
-            if ui.memories:
-                found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, since=since, until=until,
-                                                    what="memories")
+            messages, memories = lexical.result() if lexical is not None else \
+                self._lexical(tenant_id, user_id, ui, pq.terms, exclude, since, until)
+            for kind, found in ((_MESSAGE, messages), (_MEMORY, memories)):
                 for rank, mid, share in _tied_ranks(found):
-                    c = cands.setdefault((_MEMORY, mid), _Cand(_MEMORY, mid))
+                    c = cands.setdefault((kind, mid), _Cand(kind, mid))
                     c.ranks["lexical"], c.lexical_share = rank, share
         if not cands:
             return []
         return self._rank(tenant_id, user_id, ui, qvec, pq, cands, k, since, until, now, brief, own_replies,
                           exclude if fused and not brief else None)
+
+    def _lexical(self, tenant_id: str, user_id: str, ui: UserIndex, terms: list[str], exclude: frozenset,
+                 since: datetime | None, until: datetime | None) -> tuple[list, list]:
+        """The full-text ranking's messages and memories (the latter only where the user has any)."""
+        messages = self.archive.lexical_search(tenant_id, user_id, terms, DEPTH, exclude, since, until)
+        memories = self.archive.lexical_search(tenant_id, user_id, terms, DEPTH, since=since, until=until,
+                                               what="memories") if ui.memories else []
+        return messages, memories
 
     def _dense(self, ui: UserIndex, qvec: np.ndarray, use: set[str], exclude: frozenset, cands: dict,
                since: datetime | None, until: datetime | None, who: frozenset[int] | None = None) -> None:
