@@ -546,7 +546,13 @@ def test_the_week_after_an_event_is_found_through_the_events_own_date(store):
     ids = _conversation(store, sessions=[SMALL_TALK, trip, after, far])
     q = parse_query("What did Priya do the week after her trip to Lisbon?", ["Priya", "Tom"], T0)
     assert q.window is None and q.anchor is not None
+    from agentmem.tiers.recall import BRIEF_DEPTH, DEPTH
+
+    asked = []  # the full-text searches' depths: the question's, and the brief one for its event
+    lexical_search = store.archive.lexical_search
+    store.archive.lexical_search = lambda *a, **kw: asked.append(a[3]) or lexical_search(*a, **kw)
     hits = store.search("default", "alice", "What did Priya do the week after her trip to Lisbon?", k=4)
+    assert DEPTH in asked and BRIEF_DEPTH in asked and set(asked) == {DEPTH, BRIEF_DEPTH}
     ranked = [h.id for h in hits]
     five_k, climbing = ids["Yesterday I ran a 5k, long story"], ids["Yesterday I went climbing with my cousin"]
     assert five_k in ranked and "time" in hits[ranked.index(five_k)].retrievers

@@ -81,6 +81,10 @@ WEIGHTS = {"dense": 1.0, "context": 1.0, "lexical": 1.0, "facts": 1.5, "time": 1
 QUESTION_WEIGHT = 0.3
 WINDOW_SLACK = timedelta(days=3)
 DEPTH = 100  # candidates taken from each retriever
+# candidates taken from each retriever by the search for the event a question is dated by
+# ("the week after her trip to Lisbon"): only its best hit is used, and its Python work ran
+# beside the question's own search, the two taking turns at the GIL (the p95 at 100,000)
+BRIEF_DEPTH = 25
 META_CANDIDATES = 100  # message candidates, best fused first, whose metadata the ranking reads
 WINDOW_BOOST = 1.6  # a turn inside the question's time window
 NEAR_WINDOW_BOOST = 1.2  # within a week of it
@@ -302,7 +306,8 @@ class _Cand:
 class _DenseRanks:
     """Per-view ranks from one FAISS result list; tied keys share a rank."""
 
-    def __init__(self):
+    def __init__(self, depth: int = DEPTH):
+        self.depth = depth
         self.cands: dict[tuple[int, int], _Cand] = {}
         self._next = {"dense": 0, "context": 0, "facts": 0}
         self._last: dict[str, tuple[float, int]] = {}
@@ -317,7 +322,7 @@ class _DenseRanks:
             c.chunk, c.similarity, c.text_seen = chunk, sim, True
         elif view == _VIEW_SENTENCE and not c.text_seen:  # one of its sentences: the turn is the hit
             c.chunk, c.similarity, c.text_seen = 0, sim, True
-        if name in c.ranks or self._next[name] >= DEPTH:
+        if name in c.ranks or self._next[name] >= self.depth:
             return
         last = self._last.get(name)
         rank = last[1] if last is not None and last[0] == key else self._next[name]
@@ -326,8 +331,8 @@ class _DenseRanks:
         self._next[name] += 1
 
     def short(self, use: set[str]) -> bool:
-        """Some message view in use has fewer than DEPTH candidates."""
-        return any(self._next[v] < DEPTH for v in ("dense", "context") if v in use)
+        """Some message view in use has fewer than `depth` candidates."""
+        return any(self._next[v] < self.depth for v in ("dense", "context") if v in use)
 
 
 def _tied_ranks(found: list[tuple[int, float]]):
@@ -734,21 +739,23 @@ class Recall:
         hit sets the time window, reckoned from there. `lexical`: the full-text results
         (`_lexical`), already asked for."""
         cands: dict[tuple[int, int], _Cand] = {}
+        depth = BRIEF_DEPTH if brief else DEPTH
         with self._lock(tenant_id, user_id):
             if qvec is not None and ui.index.ntotal:
-                self._dense(ui, qvec, use, exclude, cands, since, until)
+                self._dense(ui, qvec, use, exclude, cands, since, until, depth=depth)
         # the votes belong to the fusion: a single retriever asked for alone is that ranking only
         fused = len(use) > 1
         if fused and pq.people:
-            self._vote("person", tenant_id, user_id, ui, qvec, pq, use, exclude, cands, since, until, pq.people)
+            self._vote("person", tenant_id, user_id, ui, qvec, pq, use, exclude, cands, since, until, pq.people,
+                       depth=depth)
         if event is not None and (dated := event.result()):
             pq = replace(pq, window=pq.anchor.window(dated[0].time))
         if fused and pq.window is not None and since is None and until is None:
             self._vote("time", tenant_id, user_id, ui, qvec, pq, use, exclude, cands,
-                       pq.window.since - WINDOW_SLACK, pq.window.until + WINDOW_SLACK)
+                       pq.window.since - WINDOW_SLACK, pq.window.until + WINDOW_SLACK, depth=depth)
         if "lexical" in use:
             messages, memories = lexical.result() if lexical is not None else \
-                self._lexical(tenant_id, user_id, ui, pq.terms, exclude, since, until)
+                self._lexical(tenant_id, user_id, ui, pq.terms, exclude, since, until, depth)
             for kind, found in ((_MESSAGE, messages), (_MEMORY, memories)):
                 for rank, mid, share in _tied_ranks(found):
                     c = cands.setdefault((kind, mid), _Cand(kind, mid))
@@ -759,15 +766,16 @@ class Recall:
                           exclude if fused and not brief else None)
 
     def _lexical(self, tenant_id: str, user_id: str, ui: UserIndex, terms: list[str], exclude: frozenset,
-                 since: datetime | None, until: datetime | None) -> tuple[list, list]:
+                 since: datetime | None, until: datetime | None, depth: int = DEPTH) -> tuple[list, list]:
         """The full-text ranking's messages and memories (the latter only where the user has any)."""
-        messages = self.archive.lexical_search(tenant_id, user_id, terms, DEPTH, exclude, since, until)
-        memories = self.archive.lexical_search(tenant_id, user_id, terms, DEPTH, since=since, until=until,
+        messages = self.archive.lexical_search(tenant_id, user_id, terms, depth, exclude, since, until)
+        memories = self.archive.lexical_search(tenant_id, user_id, terms, depth, since=since, until=until,
                                                what="memories") if ui.memories else []
         return messages, memories
 
     def _dense(self, ui: UserIndex, qvec: np.ndarray, use: set[str], exclude: frozenset, cands: dict,
-               since: datetime | None, until: datetime | None, who: frozenset[int] | None = None) -> None:
+               since: datetime | None, until: datetime | None, who: frozenset[int] | None = None,
+               depth: int = DEPTH) -> None:
         """Rank messages by each dense view and memories by similarity (equal similarity, equal
         rank). A time or speaker filter (`who`: speaker codes) is a FAISS selector, so the scan
         skips what it excludes instead of fetching past it; over-fetch so the excluded
@@ -780,7 +788,7 @@ class Recall:
         sel, n = ui.selector(lo, hi, who) if filtered else (None, ui.index.ntotal)
         if n == 0:
             return
-        fetch = min(n, 3 * DEPTH + 4 * len(exclude))
+        fetch = min(n, 3 * depth + 4 * len(exclude))
         ivf = isinstance(ui.index, faiss.IndexIVF)
         probe = IVF_NPROBE
         while True:
@@ -792,7 +800,7 @@ class Recall:
                 sims, vids = ui.index.search(qvec, fetch, params=faiss.SearchParameters(sel=sel))
             else:
                 sims, vids = ui.index.search(qvec, fetch)
-            got = self._take_dense(ui, *self._whitened(ui, qvec, sims[0], vids[0]), use, exclude)
+            got = self._take_dense(ui, *self._whitened(ui, qvec, sims[0], vids[0]), use, exclude, depth)
             if not got.short(use):
                 break
             found = int((vids[0] >= 0).sum())
@@ -811,7 +819,7 @@ class Recall:
 
     def _vote(self, label: str, tenant_id: str, user_id: str, ui: UserIndex, qvec, pq: ParsedQuery,
               use: set[str], exclude: frozenset, cands: dict, since: datetime | None = None,
-              until: datetime | None = None, speakers: list[str] | None = None) -> None:
+              until: datetime | None = None, speakers: list[str] | None = None, depth: int = DEPTH) -> None:
         """One more ranking: the same dense and full-text search restricted to a part of the
         history, the question's time window (`time`) or the turns of the people it names
         (`person`). Its evidence may rank far down the whole history (cooking in March among
@@ -823,14 +831,14 @@ class Recall:
             got: dict[tuple[int, int], _Cand] = {}
             views = {"dense", "context"}  # a turn's best view: "Pachinko!" is found with the question it answers
             with self._lock(tenant_id, user_id):
-                self._dense(ui, qvec, views, exclude, got, since, until, who=codes)
+                self._dense(ui, qvec, views, exclude, got, since, until, who=codes, depth=depth)
             for key, c in got.items():
                 if views & c.ranks.keys():
                     ranks[key] = min(c.ranks[v] for v in views & c.ranks.keys())
                     cands.setdefault(key, _Cand(c.kind, c.row_id, chunk=c.chunk, similarity=c.similarity,
                                                 text_seen=c.text_seen))
         if "lexical" in use:
-            found = self.archive.lexical_search(tenant_id, user_id, pq.terms, DEPTH, exclude, since, until,
+            found = self.archive.lexical_search(tenant_id, user_id, pq.terms, depth, exclude, since, until,
                                                 speakers=speakers)
             for rank, mid, _ in _tied_ranks(found):
                 key = (_MESSAGE, mid)
@@ -897,10 +905,10 @@ class Recall:
         ui.white, ui.white_n = out, n
         return out
 
-    def _take_dense(self, ui: UserIndex, keys, sims, vids, use: set[str], exclude: frozenset):
+    def _take_dense(self, ui: UserIndex, keys, sims, vids, use: set[str], exclude: frozenset, depth: int = DEPTH):
         """Per-view ranks from one result list in rank order: `keys` decide ties, `sims` are
         the cosines the candidates report."""
-        out = _DenseRanks()
+        out = _DenseRanks(depth)
         for key, sim, vid in zip(keys, sims, vids, strict=True):
             if vid < 0:
                 continue
