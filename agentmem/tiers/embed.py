@@ -171,11 +171,11 @@ def load_embedder(path: Path | str | None = None, dtype: str = "auto", bulk_thre
     if not (model_dir / "modules.json").exists():
         raise FileNotFoundError(f"no sentence-transformers model at {model_dir}")
     model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
-    if dtype == "bfloat16" or (dtype == "auto" and cpu_has_bf16()):
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and cpu_has_bf16())
+    if bf16:
         model.to(torch.bfloat16)
     embedder = Embedder(model, bulk_threads, bulk_nice)
     lean = LeanBert.of(model)
-    bf16 = next(model.parameters()).dtype == torch.bfloat16
     if lean is not None and lean.check(embedder._encode, LEAN_TOLERANCE_BF16 if bf16 else LEAN_TOLERANCE):
         embedder.lean = lean
     # the first call sets the tokenizer's padding and truncation; later calls, the two lanes'
