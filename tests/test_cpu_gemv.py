@@ -237,6 +237,81 @@ def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     assert calls == [1, cpu_gemv.MAX_ROWS]
 
 
+def _q4_weight(out: int, inp: int, seed: int) -> torch.Tensor:
+    """A weight already in 4-bit groups (d * q + m, d and m fp16), as a Q4_1 GGUF holds them."""
+    g = torch.Generator().manual_seed(seed)
+    groups = inp // cpu_gemv.Q4_GROUP
+    d = (torch.rand(out, groups, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-8 * d[..., 0] + torch.randn(out, groups, generator=g) * 0.01).half().float()[..., None]
+    q = torch.randint(0, 16, (out, groups, cpu_gemv.Q4_GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as llama.cpp's Q4_1 sets d and m
+    return (q * d + m).view(out, inp)
+
+
+def test_q4_layout_holds_a_4bit_weight_exactly():
+    """`pack_q4` of a weight already in Q4_1's form gives back the same weight (what keeps a Q4_1
+    GGUF's projections exact under AGENTMEM_WEIGHTS=int4); any other weight is rounded to its
+    groups' 16 levels."""
+    w = _q4_weight(96, 256, 0)
+    packed, dm = cpu_gemv.pack_q4(w)
+    assert packed.shape == (6, 32, 16, 4) and packed.dtype == torch.uint8 and dm.shape == (6, 8, 2, 16)
+    assert torch.equal(cpu_gemv.unpack_q4(packed, dm), w)
+    dense = torch.randn(64, 128)
+    back = cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(dense))
+    step = (dense.view(64, 4, 32).amax(-1) - dense.view(64, 4, 32).amin(-1)) / 15
+    assert ((back - dense).abs().view(64, 4, 32) <= 0.51 * step[..., None] + 1e-3).all()
+    flat = torch.full((32, 64), 0.25)  # a constant group: d = 0, every value its minimum
+    assert torch.equal(cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(flat)), flat)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 64, 128), (8, 576, 1536), (11, 32, 64)])
+def test_q4_gemv_is_the_groups_sums_of_the_quantized_rows(lib, rows, out, inp):
+    """The q4 product computes, for the rows quantized to int8 as the u8 route does (a scale per
+    U8_BLOCK inputs), sum over groups of d * (q . x) + m * sum(x): checked against that sum in
+    float64; a row's result does not depend on the rows batched with it; bias and bf16 output."""
+    w = _q4_weight(out, inp, rows)
+    packed, dm = cpu_gemv.pack_q4(w)
+    g = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    x[0, 3] = 40.0  # an outlier channel
+    b = torch.randn(out, generator=g)
+    y = cpu_gemv.gemv_q4(lib, packed, dm, x, b, torch.float32)
+    blocks = x.float().view(rows, -1, cpu_gemv.U8_BLOCK)
+    step = blocks.abs().amax(-1, keepdim=True) / 127  # as the kernel: in fp32, x times 1 / step,
+    xq = torch.round(blocks * (1 / step)).clamp(-127, 127)  # rounded to nearest even
+    ref = (xq.double() * step.double()).view(rows, inp) @ w.double().t() + b.double()
+    assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().max()).all()
+    exact = x.double() @ w.double().t() + b.double()
+    assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()
+    alone = torch.cat([cpu_gemv.gemv_q4(lib, packed, dm, x[i:i + 1], b, torch.float32) for i in range(rows)])
+    assert torch.equal(alone, y)
+    assert torch.equal(cpu_gemv.gemv_q4(lib, packed, dm, x, b), y.bfloat16())
+    with pytest.raises(ValueError):
+        cpu_gemv.gemv_q4(lib, packed, dm, x.float())
+
+
+@needs_vnni
+def test_int4_proj_keeps_a_4bit_weight_and_uses_the_kernel_for_few_rows(lib, monkeypatch):
+    """An int4 `Proj` on an AVX512-VNNI CPU holds the q4 layout (the LM head of an int4 model stays
+    int8), multiplies few bf16 rows on the kernel and more through its dequantized bf16 copy;
+    what it multiplies by is the 4-bit weight itself."""
+    w = _q4_weight(256, 128, 3)
+    p = Proj(w.bfloat16(), fmt="int4")
+    assert p.q8_route == "q4" and torch.equal(p.dequantized(), cpu_gemv.unpack_q4(p.w_gemv, p.scale))
+    assert (p.dequantized() - w).abs().max() <= 2 ** -8 * w.abs().max()  # from its bf16 copy: bf16's rounding at most
+    calls = []
+    real = cpu_gemv.gemv_q4
+    monkeypatch.setattr(cpu_gemv, "gemv_q4", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
+    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):
+        x = torch.randn(rows, 128).bfloat16()
+        ref = x.float() @ p.dequantized().t()
+        assert (p(x).float() - ref).abs().max() < 0.03 * ref.abs().max()
+    assert calls == [1, cpu_gemv.MAX_ROWS]
+    x = torch.randn(2, 128)  # fp32 rows: the dequantized weight
+    assert (p(x) - x @ p.dequantized().t()).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("rows,dim", [(1, 576), (8, 960), (3, 100), (2048, 576)])
 def test_rms_norm_rounds_as_the_torch_path(lib, rows, dim):
     import torch.nn.functional as F
@@ -528,8 +603,9 @@ def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
 
 
 @needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, rows):
+def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, fmt, rows):
     """A layer's second half (o, residual, norm, gate/up, silu * up, down, residual) as one C call
     on the u8 route gives the same bits as the seven calls it replaces; more rows than a tile,
     or weights off the u8 route, take the separate calls."""
@@ -541,7 +617,7 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, r
     block = M.Block(args, 0).to(torch.bfloat16)
     block.post_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
     block.fuse()
-    block.pack("int8")
+    block.pack(fmt)
     h, attn = torch.randn(rows, 128).bfloat16(), torch.randn(rows, 4, 32).bfloat16()
     calls = []
     real = cpu_gemv.finish_q8u8
@@ -557,8 +633,9 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, r
 
 
 @needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeypatch, rows):
+def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeypatch, fmt, rows):
     """A whole decode layer with both fused halves (norm, qkv and RoPE of q and k in one call;
     `finish` in another) gives the same bits as the separate calls, through any attention."""
     from agentmem.engine import model as M
@@ -570,7 +647,7 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
     block = M.Block(args, 0).to(torch.bfloat16)
     block.input_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
     block.fuse()
-    block.pack("int8")
+    block.pack(fmt)
     rotary = Rotary(32, 10000.0, 512)
     seen = []
 
@@ -590,7 +667,8 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
 
 
 @needs_vnni
-def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch, fmt):
     """Three decode rows of different lengths, each with its keys scattered over a paged pool:
     the whole layer as one call (`layer_q8u8`) writes the same K/V into the pool and returns the
     same bits as the separate calls (write, then `decode_attention`)."""
@@ -604,7 +682,7 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
     torch.manual_seed(7)
     block = M.Block(args, 1).to(torch.bfloat16)
     block.fuse()
-    block.pack("int8")
+    block.pack(fmt)
     g = torch.Generator().manual_seed(7)
     k0, v0 = (torch.randn(2, 64, 2, 32, generator=g).bfloat16() for _ in range(2))  # [layers, slots, KV, hd]
     lens = [5, 17, 9]  # keys per row, its new one last
@@ -640,7 +718,8 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
 
 
 @needs_vnni
-def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch, fmt):
     """`Transformer.forward` of bf16 decode rows over a paged pool, every weight int8 on the u8
     route, runs every layer in one C call (`layers_q8u8`): the same logits and the same K/V in
     every layer's pool as the layers one by one (each a `layer_q8u8` call), for one row and for
@@ -657,7 +736,7 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch)
     for blk in model.layers:
         blk.input_norm.weight.data = (1 + 0.1 * torch.randn(128)).bfloat16()
         blk.fuse()
-    model.pack("int8")
+    model.pack(fmt)
     whole, per_layer = [], []
     real_all, real_one = cpu_gemv.layers_q8u8, cpu_gemv.layer_q8u8
     monkeypatch.setattr(cpu_gemv, "layers_q8u8",
@@ -695,7 +774,7 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch)
         assert all(not torch.equal(p1.k[i], k0[i]) for i in range(3))  # the rows' keys written in every layer
     model.layers[1].q_norm = M.RMSNorm(32, 1e-5).to(torch.bfloat16)  # Qwen3-style: not taken
     model.layers[1].k_norm = M.RMSNorm(32, 1e-5).to(torch.bfloat16)
-    model.pack("int8")  # resets the table of pointers
+    model.pack(fmt)  # resets the table of pointers
     assert model._u8_layers is None
     whole.clear()
     with pytest.raises(AssertionError, match="attend inside"):  # layer 1 runs its separate calls

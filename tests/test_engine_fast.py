@@ -21,6 +21,9 @@ from agentmem.engine.linear import (
     Proj,
     dense,
     fastest,
+    is_four_bit,
+    pick_weights,
+    q4_kernel,
     resolve_rows_math,
     resolve_weights,
 )
@@ -72,7 +75,9 @@ def test_int8_and_int4_weights_load_generate_and_stay_near_fp32(tiny_path):
     errs = {}
     for fmt, dtype in (("bf16", "auto"), ("int8", "float32"), ("int4", "bfloat16")):
         e = load(tiny_path, dtype=dtype, weights=fmt)
-        assert e.weights == fmt and e.model.layers[0].qkv_p.fmt == fmt and e.model.head_p.fmt == fmt
+        # int4 keeps the LM head in int8 (model.py: a 4-bit head would round every logit)
+        assert e.weights == fmt and e.model.layers[0].qkv_p.fmt == fmt
+        assert e.model.head_p.fmt == ("int8" if fmt == "int4" else fmt)
         lg = e.logits(x)
         errs[fmt] = (float((lg - ref).abs().max()), float((lg.argmax(-1) == ref.argmax(-1)).float().mean()),
                      float(torch.corrcoef(torch.stack([lg.flatten(), ref.flatten()]))[0, 1]))
@@ -92,6 +97,31 @@ def test_the_weights_setting_is_checked_and_follows_an_explicit_dtype(tmp_path):
         resolve_weights("int3", torch.float32, False, cpu, shape, tmp_path)
     with pytest.raises(ValueError, match="CPU only"):
         Proj(torch.zeros(4, 32, device="meta"), fmt="int8")
+
+
+@pytest.mark.parametrize("record,four_bit,choice", [
+    ({"weights": "int8", "one_row_us": {"bf16": 186.0, "int8": 101.5, "int4": 49.9}}, True, "int4"),
+    ({"weights": "int8", "one_row_us": {"bf16": 186.0, "int8": 101.5, "int4": 49.9}}, False, "int8"),
+    ({"weights": "int8", "one_row_us": {"bf16": 186.0, "int8": 50.0, "int4": 60.0}}, True, "int8"),
+    ({"weights": "bf16", "one_row_us": {"bf16": 40.0, "int8": 50.0, "int4": 30.0}}, True, "bf16"),
+    ({"weights": "int8", "one_row_us": {"bf16": 186.0, "int8": 101.5}}, True, "int8"),  # no q4 kernel here
+])
+def test_auto_takes_int4_only_for_4bit_weights_where_it_decodes_faster(record, four_bit, choice):
+    assert pick_weights(record, "bf16", four_bit) == choice
+
+
+def test_4bit_weights_are_told_from_others():
+    """`is_four_bit`: weights llama.cpp's Q4_1 quantizer made from a bf16 model (each group's d and
+    m in fp16 from its bf16 minimum and maximum), and their bf16 copy, are; dense ones are not."""
+    g = torch.Generator().manual_seed(1)
+    orig = (0.05 * torch.randn(64, 4, 32, generator=g)).bfloat16().float()
+    lo, hi = orig.amin(-1, keepdim=True), orig.amax(-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+    w = (((orig - m) / d).round().clamp(0, 15) * d + m).view(64, 128)
+    assert is_four_bit([w]) and is_four_bit([w.bfloat16()])
+    assert not torch.equal(w.bfloat16().float(), w)  # the bf16 copy is not the 4-bit weight itself
+    assert not is_four_bit([w, orig.view(64, 128)]) and not is_four_bit([torch.randn(64, 128).bfloat16()])
+    assert not is_four_bit([torch.randn(64, 100)])  # not in whole groups
 
 
 def test_the_auto_choice_is_measured_once_and_remembered(tmp_path):
@@ -114,10 +144,11 @@ def test_the_auto_choice_does_not_time_the_same_prefill_product_twice(tmp_path):
         pytest.skip("the AVX512-BF16 kernels are not loaded here")
     choice = fastest("bf16", (256, 64), tmp_path)
     ((key, entry),) = json.loads((tmp_path / "weights-choice.json").read_text()).items()
-    assert key.endswith("|int8 rows on a bf16 copy")
+    assert "|int8 rows on a bf16 copy" in key
     assert entry["rows_512_us"]["int8"] == entry["rows_512_us"]["bf16"]
     decode = entry["one_row_us"]
-    assert choice == ("int8" if decode["int8"] < decode["bf16"] else "bf16")
+    assert choice == ("int8" if decode["int8"] < decode["bf16"] else "bf16")  # not a 4-bit model: no int4
+    assert ("int4" in decode) == key.endswith("|int4 on q4") == q4_kernel()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])

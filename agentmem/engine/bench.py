@@ -166,11 +166,13 @@ def prefill_flops(a: ModelArgs, n: int) -> float:
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5 + 2 * 2 / INT4_GROUP}
 
 
-def decode_weight_bytes(a: ModelArgs, itemsize: float) -> int:
-    """Weight bytes one decode step reads: every projection and the LM head."""
+def decode_weight_bytes(a: ModelArgs, itemsize: float, head_itemsize: float | None = None) -> int:
+    """Weight bytes one decode step reads: every projection and the LM head (in its own format
+    where that differs: int4 keeps an int8 head)."""
     hd = a.head_dim
     per_layer = a.dim * ((a.n_heads + 2 * a.n_kv_heads) * hd + a.n_heads * hd + 3 * a.hidden_dim)
-    return int((a.n_layers * per_layer + a.vocab_size * a.dim) * itemsize)
+    head = itemsize if head_itemsize is None else head_itemsize
+    return int(a.n_layers * per_layer * itemsize + a.vocab_size * a.dim * head)
 
 
 # --- the runs ---------------------------------------------------------------------------------
@@ -477,7 +479,7 @@ def main(argv: list[str]) -> int:
     decode_int8 = (None if int8 is None else decode if int8 is engine
                    else kept(ours_int8["eager"], ours_int8.get("compiled", [])))
     decode_long = kept(long_ours, long_comp)
-    bound = mem * 1e9 / decode_weight_bytes(margs, WEIGHT_BYTES[weights])
+    bound = mem * 1e9 / decode_weight_bytes(margs, WEIGHT_BYTES[weights], WEIGHT_BYTES[engine.model.head_p.fmt])
     result = {
         "prefill_tok_s": round(prefill, 1),
         "hf_prefill_tok_s": round(args.prompt_tokens / min(hf_pf), 1),

@@ -26,7 +26,7 @@ from .grammar import GrammarCompiler
 from .kernels import cpu_avx2, cpu_gemv
 from .kernels.reference import sdpa
 from .layers import visible
-from .linear import resolve_rows_math, resolve_weights
+from .linear import is_four_bit, q4_kernel, resolve_rows_math, resolve_weights
 from .loop import EngineLoop
 from .measured import cpu_flags
 from .model import Transformer, load_transformer
@@ -262,8 +262,11 @@ class Engine(ChatText):
         a = model.args
         shape = (2 * a.hidden_dim, a.dim)
         rows_math = resolve_rows_math(config.rows_math, dtype, device, shape, config.cache_dir)
+        # int4 where the projections are 4-bit already (a Q4_1 GGUF's): lossless, half int8's bytes
+        four_bit = (config.weights == "auto" and dtype == torch.bfloat16 and device.type == "cpu" and q4_kernel()
+                    and is_four_bit([model.layers[0].wqkv, model.layers[-1].w_gate_up, model.layers[-1].down_proj.weight]))
         weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, shape, config.cache_dir,
-                                  rows_math)
+                                  rows_math, four_bit)
         if weights != model.weights:
             model.pack(weights)
         model.gather_weights()

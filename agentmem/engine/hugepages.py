@@ -71,7 +71,14 @@ def gather_weights(model) -> Arena | None:
              and p.w_gemv.device.type == "cpu" and p.w_gemv.is_contiguous()]
     if not projs:
         return None
-    arena = Arena([p.w_gemv for p in projs])
-    for p, v in zip(projs, arena.views, strict=True):
-        p.w_gemv = v
+    # 4-bit weights (the q4 route) read their groups' scales and minima beside them: those go
+    # right after their projection's layout, in the same stream
+    q4 = [p.q8_route == "q4" and p.scale.is_contiguous() for p in projs]
+    tensors = [t for p, s in zip(projs, q4, strict=True) for t in ((p.w_gemv, p.scale) if s else (p.w_gemv,))]
+    arena = Arena(tensors)
+    views = iter(arena.views)
+    for p, s in zip(projs, q4, strict=True):
+        p.w_gemv = next(views)
+        if s:
+            p.scale = next(views)
     return arena

@@ -25,7 +25,16 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   the dequantized weight: on a Zen 3 VM a token's products 9 ms against 48 for fp32 (`torch.mm`)
   and 114 for `_weight_int8pack_mm`.
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
-  offset (`_weight_int4pack_mm_for_cpu`), activations in bf16/fp32.
+  minimum. On AVX512-VNNI (the u8 route's CPUs) in llama.cpp's Q4_1 form (`cpu_gemv.pack_q4`:
+  w = d q + m, d and m fp16, q in 0..15), multiplied by the `q4` kernel for few rows (the rows
+  quantized to int8 as on the u8 route) and by a dequantized bf16 copy for many, like int8. A
+  model read from a Q4_1 GGUF (the default one) is held exactly so: its groups' smallest and
+  largest values are m and m + 15 d, so the file's own 4-bit weights come back bit for bit (tested
+  on the shipped model), where int8's one scale a row rounds them. Half int8's bytes a decode
+  step: on a 2-core Zen 4 VM one stream 174-185 -> 225-238 tok/s, while eight streams, bound by
+  `vpdpbusd` rather than memory, run ~10% slower (836-861 against 884-1,031; session 40). The LM
+  head stays int8 under int4 (model.py). Elsewhere `_weight_int4pack_mm_for_cpu` (groups with
+  a scale and an offset, perplexity +3.8% over bf16 when measured in session 6).
 
 `auto` (the default) takes, per machine, the faster measured format of those whose quality
 the benchmark accepted: fp32 or bf16 (the engine dtype) and int8. int8 is taken where a one-row
@@ -107,7 +116,12 @@ class Proj:
                 self.q8_route = "avx2"
                 self.w_gemv = cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
-            self.packed, self.scales_zeros = _int4_pack(w)
+            if cpu_gemv.loaded() is not None and cpu_gemv.vnni() and cpu_gemv.fits_u8(w):
+                # few rows: the q4 kernel (AVX512-VNNI); `scale` holds the groups' fp16 d and m
+                self.q8_route = "q4"
+                self.w_gemv, self.scale = cpu_gemv.pack_q4(w)
+            else:
+                self.packed, self.scales_zeros = _int4_pack(w)
         elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
             self.w_plain = w  # the model keeps its dense weights: no copy
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
@@ -140,22 +154,15 @@ class Proj:
                     and (lib := cpu_gemv.loaded())):
                 return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, i16=self.q8_route == "i16")
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
-                # many rows (prefill): the dequantized weight in bf16, oneDNN-packed once at the
-                # first such call and kept (512 rows of the widest projection: 4.2 ms so, 4.6
-                # dequantizing at every call, which cost a short prompt ~40 ms a forward, and
-                # 12.6 through `_weight_int8pack_mm`). So with the kernels int8 is a speed
-                # format, not a memory one: int8 for decode, bf16 for prefill.
-                if self._prefill_w is None:
-                    w = (self.packed.float() * self.scale[:, None]).to(torch.bfloat16)
-                    pack = onednn_bf16() and self.rows_math == "bf16"
-                    self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w
-                if self.rows_math == "fp32":
-                    return _widened(x, self._prefill_w, self.bias)
-                if onednn_bf16():
-                    return _onednn(x, self._prefill_w, self.bias)
-                return F.linear(x, self._prefill_w, self.bias)
+                return self._many_rows(x)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
+        if self.q8_route == "q4":
+            if x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16 and (lib := cpu_gemv.loaded()):
+                return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
+            if x.dtype == torch.bfloat16:
+                return self._many_rows(x)
+            return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.fmt == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                              self.scales_zeros.to(x.dtype))
@@ -169,6 +176,28 @@ class Proj:
         if self.w_t is not None and x.shape[0] <= self.max_rows:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
         return F.linear(x, self.w, self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [out, in] an int8 or int4 (q4 route) projection holds."""
+        if self.q8_route == "q4":
+            return cpu_gemv.unpack_q4(self.w_gemv, self.scale)
+        return self.packed.float() * self.scale[:, None]
+
+    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 rows past the kernels' (prefill) for int8 or int4 weights: the dequantized weight
+        in bf16, oneDNN-packed once at the first such call and kept (512 rows of the widest
+        projection: 4.2 ms so, 4.6 dequantizing at every call, which cost a short prompt ~40 ms a
+        forward, and 12.6 through `_weight_int8pack_mm`). So with the kernels int8 and int4 are
+        speed formats, not memory ones: the compact weights for decode, bf16 for prefill."""
+        if self._prefill_w is None:
+            w = self.dequantized().to(torch.bfloat16)
+            pack = onednn_bf16() and self.rows_math == "bf16"
+            self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w
+        if self.rows_math == "fp32":
+            return _widened(x, self._prefill_w, self.bias)
+        if onednn_bf16():
+            return _onednn(x, self._prefill_w, self.bias)
+        return F.linear(x, self._prefill_w, self.bias)
 
     def _avx2(self, x: torch.Tensor) -> torch.Tensor:
         """int8 on an AVX2-only CPU (fp32 rows): few rows through `cpu_avx2`'s kernel; more
@@ -245,8 +274,9 @@ def dense(p: Proj) -> torch.Tensor:
 
 # --- the choice -----------------------------------------------------------------------------
 def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device: torch.device,
-                    shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16") -> str:
-    """The weight format for `AGENTMEM_WEIGHTS=name` with engine dtype `dtype`."""
+                    shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16", four_bit: bool = False) -> str:
+    """The weight format for `AGENTMEM_WEIGHTS=name` with engine dtype `dtype`; `four_bit`: the
+    model's projections are 4-bit weights already (`is_four_bit`), so int4 loses nothing."""
     own = "bf16" if dtype == torch.bfloat16 else "fp32"
     if name != "auto":
         if name not in WEIGHT_FORMATS:
@@ -257,7 +287,37 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
         return name
     if device.type != "cpu" or (dtype_explicit and dtype == torch.float32) or dtype == torch.float16:
         return own
-    return fastest(own, shape, cache_dir, rows_math)
+    return fastest(own, shape, cache_dir, rows_math, four_bit)
+
+
+def q4_kernel() -> bool:
+    """Whether int4 weights multiply few rows on the q4 kernel here (AVX512-VNNI, bf16 rows)."""
+    return cpu_gemv.loaded() is not None and cpu_gemv.vnni()
+
+
+def is_four_bit(weights: list[torch.Tensor]) -> bool:
+    """Whether these weights (the model's, in its dtype) are 4-bit groups already, as a Q4_1
+    GGUF's are: the q4 layout (`cpu_gemv.pack_q4`) gives every one back exactly once rounded to
+    its dtype, where any other weight moves by up to half a group step. (A bf16 copy of a Q4_1
+    file's weights passes: llama.cpp took each group's minimum and maximum from the original bf16
+    weights, so in bf16 they are those weights again, and d and m come back from them.)"""
+    for w in weights:
+        if not cpu_gemv.fits_u8(w):
+            return False
+        if not torch.equal(cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(w)).to(w.dtype), w):
+            return False
+    return True
+
+
+def pick_weights(record: dict, own: str, four_bit: bool) -> str:
+    """The format `fastest` takes from its measurement `record`: its choice between `own` and
+    int8, or int4 where the model is `four_bit`, int8 was taken (a compact format pays here) and
+    int4's one-row product ran faster still (its many rows multiply the same bf16 copy)."""
+    choice = record["weights"]
+    times = record.get("one_row_us", {})
+    if four_bit and choice == "int8" and "int4" in times and times["int4"] < times["int8"]:
+        return "int4"
+    return choice
 
 
 def kernels_tag() -> str:
@@ -267,7 +327,8 @@ def kernels_tag() -> str:
             else cpu_avx2.tag() if cpu_avx2.loaded() is not None else "no kernels")
 
 
-def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16") -> str:
+def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16",
+            four_bit: bool = False) -> str:
     """`own` or int8: int8 only where it runs a one-row product of `shape` [out, in] (decode,
     cold weights) faster here and a PREFILL_ROWS-row one (prefill) at most PREFILL_SLACK
     slower; measured once
@@ -289,8 +350,12 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     if same_rows:
         key += f"|int8 rows on {'an' if own == 'fp32' else 'a'} {own} copy"
 
+    q4 = own == "bf16" and q4_kernel() and cpu_gemv.fits_shape(shape) and shape[1] % cpu_gemv.U8_BLOCK == 0
+    if q4:  # int4 is timed too (taken only for a model whose weights are 4-bit: `pick_weights`)
+        key += "|int4 on q4"
+
     def measure() -> dict:
-        times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8")}
+        times = {fmt: one_row_seconds(fmt, shape) for fmt in (own, "int8", *(("int4",) if q4 else ()))}
         rows = {fmt: rows_seconds(_with_rows_math(fmt, shape, rows_math), shape, PREFILL_ROWS)
                 for fmt in ((own,) if same_rows else (own, "int8"))}
         if same_rows:
@@ -303,7 +368,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
                 f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 3) for k, v in rows.items()}}
 
     # a choice made by an earlier rule is made again
-    return remembered(cache_dir, "weights-choice.json", key, measure, lambda e: e.get("rule") == RULE)["weights"]
+    record = remembered(cache_dir, "weights-choice.json", key, measure, lambda e: e.get("rule") == RULE)
+    return pick_weights(record, own, four_bit)
 
 
 PREFILL_ROWS = 512  # rows of the prefill product `fastest` times

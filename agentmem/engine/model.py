@@ -215,7 +215,10 @@ class Transformer(nn.Module):
             layer.pack(fmt)
         self._avx2_layers = None  # the AVX2 decode step's table of weight pointers (cpu_avx2.layers_q8)
         self._u8_layers = None  # the bf16 u8 route's (cpu_gemv.layers_q8u8)
-        self.head_p = Proj(self.lm_head.weight, None, fmt, LM_HEAD_TRANSPOSED_MAX_ROWS)
+        # int4 keeps the LM head in int8: one 4-bit head quantizes every logit, and the tied
+        # embedding a 4-bit GGUF carries is itself 8-bit (SmolLM2's Q4_1 file: Q8_0)
+        head = "int8" if fmt == "int4" else fmt
+        self.head_p = Proj(self.lm_head.weight, None, head, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
         self._weights_arena = None  # the layouts are new: `gather_weights` again
 

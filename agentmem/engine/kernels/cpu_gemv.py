@@ -439,6 +439,91 @@ void agentmem_gemv_q8u8(const uint8_t *w, const float *scale, const uint16_t *x,
     if (xq != stack) free(xq);
 }
 
+/* 4-bit weights on AVX512-VNNI (`q4`, `AGENTMEM_WEIGHTS=int4`): the weights in groups of
+   Q4_GROUP inputs, each group with an fp16 scale d and minimum m per output, w = d * q + m with q
+   in 0..15: the layout of llama.cpp's Q4_1 blocks, so a model read from a Q4_1 GGUF keeps its
+   own weights exactly (linear.py). q is the unsigned operand of `vpdpbusd` as it is (no offset),
+   against the same int8 input rows as the u8 route (scales per U8_BLOCK). Packed [N/16][K/8][16][4]
+   bytes: a 32-bit lane holds one output's inputs k..k+3 in its low nibbles and k+4..k+7 in its
+   high ones, so one 64-byte load feeds two `vpdpbusd` after a mask and a shift; d and m
+   [N/16][K/Q4_GROUP][2][16] fp16. Per group and row: sum_k (d q_k + m) x_k = d S + m X, with S the
+   group's int32 sum and X = sum_k x_k (`q4_sums`, once per row). Half the bytes of int8 for the
+   same `vpdpbusd` count; the group's fp32 work (a convert and three FMAs a row) comes every 32
+   inputs instead of 64. */
+#define Q4_GROUP 32
+
+/* xsum[g] = xs[block of g] * (sum of the int8 row's inputs in group g), for one quantized row. */
+static void q4_sums(const int8_t *q, int64_t K, const float *xs, float *xsum) {
+    for (int64_t g = 0; g < K / Q4_GROUP; g++) {
+        int32_t t = 0;
+        for (int64_t k = g * Q4_GROUP; k < (g + 1) * Q4_GROUP; k++) t += q[k];
+        xsum[g] = xs[g * Q4_GROUP / U8_BLOCK] * (float)t;
+    }
+}
+
+/* y for `mb` (1-8) int8 rows of a 16-output group (`wg`: [K/8][16][4] bytes, `dmg`:
+   [K/Q4_GROUP][2][16] fp16): per group, int32 sums (8 registers) into fp32 ones (8 more). */
+__attribute__((target("avx512vnni")))
+static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wg, const uint16_t *dmg, int64_t K,
+                                                          const int8_t *x, int64_t ldx, const int mb, void *y,
+                                                          int64_t N, int64_t n, const float *xs, const float *xsum,
+                                                          const float *b, int f32) {
+    const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 f[8];
+    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
+        __m512i acc[8];
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
+            const uint8_t *p = wg + 8 * k;
+            _mm_prefetch((const char *)p + U8_AHEAD, _MM_HINT_T1);
+            const __m512i v = _mm512_loadu_si512(p);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int i = 0; i < mb; i++) {
+                int32_t q0, q1;
+                memcpy(&q0, x + i * ldx + k, 4);
+                memcpy(&q1, x + i * ldx + k + 4, 4);
+                DPBUSD(acc[i], lo, _mm512_set1_epi32(q0));
+                DPBUSD(acc[i], hi, _mm512_set1_epi32(q1));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
+        for (int i = 0; i < mb; i++) {
+            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / U8_BLOCK]));
+            f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(sx, d, f[i]));
+        }
+    }
+    for (int i = 0; i < mb; i++) store(y, i * N + n, f[i], b ? b + n : 0, f32);
+}
+
+/* `agentmem_gemv_q8u8` for 4-bit weights packed by `pack_q4` (K a multiple of U8_BLOCK). */
+__attribute__((target("avx512vnni")))
+void agentmem_gemv_q4u8(const uint8_t *w, const uint16_t *dm, const uint16_t *x, int64_t ldx, void *y,
+                        const float *b, int64_t M, int64_t N, int64_t K, int f32, int threads) {
+    const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
+    int8_t stack[M * K <= I8_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
+    int8_t *xq = M * K <= I8_STACK ? stack : (int8_t *)malloc((size_t)(M * K));
+    float xs[M * nb > 0 ? M * nb : 1], xsum[M * ng > 0 ? M * ng : 1], corr;
+    for (int64_t m = 0; m < M; m++) {
+        quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, &corr);
+        q4_sums(xq + m * K, K, xs + m * nb, xsum + m * ng);
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int64_t left = M - m0, n = g * 16;
+            char *ym = f32 ? (char *)y + m0 * N * 4 : (char *)y + m0 * N * 2;
+            #define TILE(mb) tile_q4(w + g * 8 * K, dm + g * K, K, xq + m0 * K, K, mb, ym, N, n, xs + m0 * nb, \
+                                     xsum + m0 * ng, b, f32)
+            BY_ROWS(left, TILE)
+            #undef TILE
+        }
+    }
+    if (xq != stack) free(xq);
+}
+
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
    [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7); below -87 the result is 0. */
 static inline __m512 exp16(__m512 x) {
@@ -999,12 +1084,30 @@ static void team_q8u8(const uint8_t *w, const float *scale, const uint16_t *x, i
     }
 }
 
+__attribute__((target("avx512vnni")))
+static void team_q4u8(const uint8_t *w, const uint16_t *dm, const uint16_t *x, int64_t ldx, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, int8_t *xq, float *xs, float *xsum) {
+    const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float corr;
+        quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, &corr);
+        q4_sums(xq + m * K, K, xs + m * nb, xsum + m * ng);
+    }
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) {
+        #define TILE(mb) tile_q4(w + g * 8 * K, dm + g * K, K, xq, K, mb, y, N, g * 16, xs, xsum, 0, 0)
+        BY_ROWS(M, TILE)
+        #undef TILE
+    }
+}
+
 /* Scratch of the fused layer functions for M <= 8 rows of at most K inputs (K >= every
    product's input and output width it is used for): the quantized rows and their scales, and
    the bf16 intermediates. */
 typedef struct {
     int8_t *xq;
-    float *xs, corr[8];
+    float *xs, *xsum, corr[8];
     uint16_t *nx, *h2, *gu, *sx, *qkv, *qk, *attn;
 } Scratch;
 
@@ -1012,6 +1115,7 @@ static Scratch scratch_new(int64_t M, int64_t K, int64_t I, int64_t NQKV) {
     Scratch t;
     t.xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     t.xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / U8_BLOCK) + 1));
+    t.xsum = (float *)malloc(sizeof(float) * (size_t)(M * (K / Q4_GROUP) + 1));
     t.nx = (uint16_t *)malloc(2 * (size_t)(M * K));
     t.h2 = (uint16_t *)malloc(2 * (size_t)(M * K));
     t.gu = (uint16_t *)malloc(4 * (size_t)(M * I));
@@ -1023,19 +1127,28 @@ static Scratch scratch_new(int64_t M, int64_t K, int64_t I, int64_t NQKV) {
 }
 
 static void scratch_free(Scratch *t) {
-    free(t->xq); free(t->xs); free(t->nx); free(t->h2); free(t->gu); free(t->sx);
+    free(t->xq); free(t->xs); free(t->xsum); free(t->nx); free(t->h2); free(t->gu); free(t->sx);
     free(t->qkv); free(t->qk); free(t->attn);
+}
+
+/* One product of the fused layer functions for the calling team: u8 (int8 weights, fp32 scales
+   `s`) or, with `q4`, 4-bit weights (`s`: their fp16 scales and minima). */
+__attribute__((target("avx512vnni")))
+static void team_proj(int q4, const uint8_t *w, const void *s, const uint16_t *x, int64_t ldx, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, Scratch *t) {
+    if (q4) team_q4u8(w, (const uint16_t *)s, x, ldx, y, M, N, K, t->xq, t->xs, t->xsum);
+    else team_q8u8(w, (const float *)s, x, ldx, y, M, N, K, t->xq, t->xs, t->corr);
 }
 
 /* For the calling team: qkv = wqkv(rms_norm(h)) [M, NQKV] bf16, then the first QK heads of
    each row (q and k) rotated into qk [M, QK, hd] (`agentmem_rope_bf16`'s tables and rounding). */
 __attribute__((target("avx512vnni")))
-static void team_qkv(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const float *s,
+static void team_qkv(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const void *s,
                      const float *cs, const float *sn, uint16_t *qkv, uint16_t *qk, int64_t M, int64_t D,
-                     int64_t NQKV, int64_t QK, int64_t hd, Scratch *t) {
+                     int64_t NQKV, int64_t QK, int64_t hd, int q4, Scratch *t) {
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) agentmem_rms_norm_bf16(h + m * D, D, nw, t->nx + m * D, 1, D, eps);
-    team_q8u8(w, s, t->nx, D, qkv, M, NQKV, D, t->xq, t->xs, t->corr);
+    team_proj(q4, w, s, t->nx, D, qkv, M, NQKV, D, t);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         agentmem_rope_bf16(qkv + m * NQKV, NQKV, cs + m * hd, sn + m * hd, qk + m * QK * hd, 1, QK, hd);
@@ -1045,20 +1158,20 @@ static void team_qkv(const uint16_t *h, const uint16_t *nw, float eps, const uin
    rms_norm(h2), gate/up = gu(norm), each step rounded to bf16 where the separate calls round. */
 __attribute__((target("avx512vnni")))
 static void team_finish(const uint16_t *a, int64_t lda, const uint16_t *h, uint16_t *out, const uint8_t *wo,
-                        const float *so, const uint16_t *nw, float eps, const uint8_t *wgu, const float *sgu,
-                        const uint8_t *wd, const float *sd, int64_t M, int64_t HD, int64_t D, int64_t I,
-                        Scratch *t) {
-    team_q8u8(wo, so, a, lda, t->h2, M, D, HD, t->xq, t->xs, t->corr);  /* o(a), then h2 = h + o(a) */
+                        const void *so, const uint16_t *nw, float eps, const uint8_t *wgu, const void *sgu,
+                        const uint8_t *wd, const void *sd, int64_t M, int64_t HD, int64_t D, int64_t I,
+                        int q4, Scratch *t) {
+    team_proj(q4, wo, so, a, lda, t->h2, M, D, HD, t);  /* o(a), then h2 = h + o(a) */
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         uint16_t *r = t->h2 + m * D;
         for (int64_t i = 0; i < D; i++) r[i] = to_bf16(bf16_to_f32(h[m * D + i]) + bf16_to_f32(r[i]));
         agentmem_rms_norm_bf16(r, D, nw, t->nx + m * D, 1, D, eps);
     }
-    team_q8u8(wgu, sgu, t->nx, D, t->gu, M, 2 * I, D, t->xq, t->xs, t->corr);
+    team_proj(q4, wgu, sgu, t->nx, D, t->gu, M, 2 * I, D, t);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) agentmem_silu_mul_bf16(t->gu + m * 2 * I, 2 * I, t->sx + m * I, 1, I);
-    team_q8u8(wd, sd, t->sx, I, out, M, D, I, t->xq, t->xs, t->corr);  /* down, then out = h2 + down */
+    team_proj(q4, wd, sd, t->sx, I, out, M, D, I, t);  /* down, then out = h2 + down */
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < M * D; i++) out[i] = to_bf16(bf16_to_f32(t->h2[i]) + bf16_to_f32(out[i]));
 }
@@ -1068,12 +1181,12 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
 /* The first half of a decoder layer's products for M <= 8 bf16 rows on the u8 route, in one
    call and one team of threads (`team_qkv`), bit-identical to the three separate calls. */
 __attribute__((target("avx512vnni")))
-void agentmem_qkv_q8u8(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const float *s,
+void agentmem_qkv_q8u8(const uint16_t *h, const uint16_t *nw, float eps, const uint8_t *w, const void *s,
                        const float *cs, const float *sn, uint16_t *qkv, uint16_t *qk, int64_t M, int64_t D,
-                       int64_t NQKV, int64_t QK, int64_t hd, int threads) {
+                       int64_t NQKV, int64_t QK, int64_t hd, int q4, int threads) {
     Scratch t = scratch_new(M, D, 1, 1);
     #pragma omp parallel num_threads(threads)
-    team_qkv(h, nw, eps, w, s, cs, sn, qkv, qk, M, D, NQKV, QK, hd, &t);
+    team_qkv(h, nw, eps, w, s, cs, sn, qkv, qk, M, D, NQKV, QK, hd, q4, &t);
     scratch_free(&t);
 }
 
@@ -1083,12 +1196,12 @@ void agentmem_qkv_q8u8(const uint16_t *h, const uint16_t *nw, float eps, const u
    bf16; o [D, HD], gu [2I, D], down [D, I] packed by `pack_u8` with their scales. */
 __attribute__((target("avx512vnni")))
 void agentmem_finish_q8u8(const uint16_t *a, int64_t lda, const uint16_t *h, uint16_t *out,
-                          const uint8_t *wo, const float *so, const uint16_t *nw, float eps,
-                          const uint8_t *wgu, const float *sgu, const uint8_t *wd, const float *sd,
-                          int64_t M, int64_t HD, int64_t D, int64_t I, int threads) {
+                          const uint8_t *wo, const void *so, const uint16_t *nw, float eps,
+                          const uint8_t *wgu, const void *sgu, const uint8_t *wd, const void *sd,
+                          int64_t M, int64_t HD, int64_t D, int64_t I, int q4, int threads) {
     Scratch t = scratch_new(M, max3(HD, D, I), I, 1);
     #pragma omp parallel num_threads(threads)
-    team_finish(a, lda, h, out, wo, so, nw, eps, wgu, sgu, wd, sd, M, HD, D, I, &t);
+    team_finish(a, lda, h, out, wo, so, nw, eps, wgu, sgu, wd, sd, M, HD, D, I, q4, &t);
     scratch_free(&t);
 }
 
@@ -1099,37 +1212,37 @@ void agentmem_finish_q8u8(const uint16_t *a, int64_t lda, const uint16_t *h, uin
    `part` for chunks of ch keys); `team_finish`. Ends on the barrier of its last `omp for`. */
 __attribute__((target("avx512vnni")))
 static void team_layer_u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, const uint16_t *nw2, float eps,
-                          const uint8_t *wqkv, const float *sqkv, const float *cs, const float *sn,
+                          const uint8_t *wqkv, const void *sqkv, const float *cs, const float *sn,
                           uint16_t *kp, uint16_t *vp, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
-                          int64_t W, float scale, const uint8_t *wo, const float *so, const uint8_t *wgu,
-                          const float *sgu, const uint8_t *wd, const float *sd, int64_t M, int64_t D, int64_t H,
-                          int64_t KV, int64_t hd, int64_t I, int64_t ch, float *part, Scratch *t) {
+                          int64_t W, float scale, const uint8_t *wo, const void *so, const uint8_t *wgu,
+                          const void *sgu, const uint8_t *wd, const void *sd, int64_t M, int64_t D, int64_t H,
+                          int64_t KV, int64_t hd, int64_t I, int64_t ch, float *part, int q4, Scratch *t) {
     const int64_t NQKV = (H + 2 * KV) * hd, QK = H + KV, row = KV * hd;
-    team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t->qkv, t->qk, M, D, NQKV, QK, hd, t);
+    team_qkv(h, nw1, eps, wqkv, sqkv, cs, sn, t->qkv, t->qk, M, D, NQKV, QK, hd, q4, t);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         memcpy(kp + wslot[m] * row, t->qk + m * QK * hd + H * hd, 2 * (size_t)row);
         memcpy(vp + wslot[m] * row, t->qkv + m * NQKV + QK * hd, 2 * (size_t)row);
     }
     team_decode_attn(t->qk, QK * hd, kp, vp, idx, keep, t->attn, H * hd, M, H, KV, hd, W, scale, ch, part);
-    team_finish(t->attn, H * hd, h, out, wo, so, nw2, eps, wgu, sgu, wd, sd, M, H * hd, D, I, t);
+    team_finish(t->attn, H * hd, h, out, wo, so, nw2, eps, wgu, sgu, wd, sd, M, H * hd, D, I, q4, t);
 }
 
 /* A whole decoder layer (`team_layer_u8`) in one call and one team of threads, bit-identical to
    the separate calls. */
 __attribute__((target("avx512vnni")))
 void agentmem_layer_q8u8(const uint16_t *h, uint16_t *out, const uint16_t *nw1, const uint16_t *nw2, float eps,
-                         const uint8_t *wqkv, const float *sqkv, const float *cs, const float *sn,
+                         const uint8_t *wqkv, const void *sqkv, const float *cs, const float *sn,
                          uint16_t *kp, uint16_t *vp, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
-                         int64_t W, float scale, const uint8_t *wo, const float *so, const uint8_t *wgu,
-                         const float *sgu, const uint8_t *wd, const float *sd, int64_t M, int64_t D, int64_t H,
-                         int64_t KV, int64_t hd, int64_t I, int threads) {
+                         int64_t W, float scale, const uint8_t *wo, const void *so, const uint8_t *wgu,
+                         const void *sgu, const uint8_t *wd, const void *sd, int64_t M, int64_t D, int64_t H,
+                         int64_t KV, int64_t hd, int64_t I, int q4, int threads) {
     Scratch t = scratch_new(M, max3(H * hd, D, I), I, (H + 2 * KV) * hd);
     const int64_t ch = da_chunk(M, W, threads);
     float *part = da_part(M, W, H, hd, ch);
     #pragma omp parallel num_threads(threads)
     team_layer_u8(h, out, nw1, nw2, eps, wqkv, sqkv, cs, sn, kp, vp, wslot, idx, keep, W, scale, wo, so, wgu, sgu,
-                  wd, sd, M, D, H, KV, hd, I, ch, part, &t);
+                  wd, sd, M, D, H, KV, hd, I, ch, part, q4, &t);
     free(part);
     scratch_free(&t);
 }
@@ -1146,7 +1259,7 @@ __attribute__((target("avx512vnni")))
 void agentmem_layers_q8u8(const uint16_t *h, uint16_t *out, int64_t L, void *const *w, float eps,
                           const float *cs, const float *sn, uint16_t *kp, uint16_t *vp, int64_t pstride,
                           const int64_t *wslot, const int64_t *idx, const uint8_t *keep, int64_t W, float scale,
-                          int64_t M, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+                          int64_t M, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int q4, int threads) {
     Scratch t = scratch_new(M, max3(H * hd, D, I), I, (H + 2 * KV) * hd);
     const int64_t ch = da_chunk(M, W, threads);
     float *part = da_part(M, W, H, hd, ch);
@@ -1157,7 +1270,7 @@ void agentmem_layers_q8u8(const uint16_t *h, uint16_t *out, int64_t L, void *con
         const uint16_t *x = l == 0 ? h : buf + ((l - 1) & 1) * M * D;
         uint16_t *y = l == L - 1 ? out : buf + (l & 1) * M * D;
         team_layer_u8(x, y, p[0], p[1], eps, p[2], p[3], cs, sn, kp + l * pstride, vp + l * pstride, wslot, idx,
-                      keep, W, scale, p[4], p[5], p[6], p[7], p[8], p[9], M, D, H, KV, hd, I, ch, part, &t);
+                      keep, W, scale, p[4], p[5], p[6], p[7], p[8], p[9], M, D, H, KV, hd, I, ch, part, q4, &t);
     }
     free(buf);
     free(part);
@@ -1548,12 +1661,14 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_amx_ok": ([], _I32),
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
     "agentmem_silu_mul_bf16": [_P, _I, _P, _I, _I],
-    "agentmem_qkv_q8u8": [_P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I32],
+    "agentmem_gemv_q4u8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32, _I32],
+    "agentmem_qkv_q8u8": [_P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I32, _I32],
     "agentmem_layer_q8u8": [_P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I,
-                            ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I32],
-    "agentmem_finish_q8u8": [_P, _I, _P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I, _I, _I32],
+                            ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I32, _I32],
+    "agentmem_finish_q8u8": [_P, _I, _P, _P, _P, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I, _I, _I32,
+                             _I32],
     "agentmem_layers_q8u8": [_P, _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float]
-                            + [_I] * 6 + [_I32],
+                            + [_I] * 6 + [_I32, _I32],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -1760,6 +1875,59 @@ def pack_u8(q: torch.Tensor) -> torch.Tensor:
     return u.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
+Q4_GROUP = 32  # inputs per scale and minimum of the q4 route's 4-bit weights (the C source's Q4_GROUP)
+
+
+def pack_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4 route's layout of a weight w [N, K] as 4-bit groups of Q4_GROUP inputs (llama.cpp's
+    Q4_1): per output and group an fp16 scale d = (max - min) / 15 and minimum m = min, q =
+    round((w - m) / d) in 0..15, w ~ d q + m. Returns (q packed [N/16, K/8, 16, 4] uint8: the
+    bytes of a 32-bit lane hold one output's inputs k..k+3 in their low nibbles and k+4..k+7 in
+    their high ones; dm [N/16, K/Q4_GROUP, 2, 16] fp16: d then m for 16 outputs). A weight that
+    is already of this form (read from a Q4_1 GGUF) is recovered exactly: its group's smallest
+    and largest values are m and m + 15 d."""
+    n, k = w.shape
+    g = w.float().view(n, k // Q4_GROUP, Q4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, (g - mf) / torch.where(df > 0, df, 1.0), 0.0).round().clamp(0, 15).to(torch.uint8)
+    qq = q.view(n // 16, 16, k // 8, 2, 4)
+    packed = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    dm = torch.stack([d.view(n // 16, 16, -1), m.view(n // 16, 16, -1)], 2).permute(0, 3, 2, 1).contiguous()
+    return packed, dm
+
+
+def unpack_q4(packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that `pack_q4`'s layout holds: d q + m."""
+    g16, k8 = packed.shape[0], packed.shape[1]
+    lo, hi = packed & 15, packed >> 4  # [N/16, K/8, 16, 4]
+    q = torch.stack([lo, hi], 3).permute(0, 2, 1, 3, 4).reshape(g16 * 16, k8 * 8).float()
+    n, k = q.shape
+    d = dm[:, :, 0].permute(0, 2, 1).reshape(n, -1).float()
+    m = dm[:, :, 1].permute(0, 2, 1).reshape(n, -1).float()
+    return (q.view(n, -1, Q4_GROUP) * d[..., None] + m[..., None]).view(n, k)
+
+
+def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, in] (bf16) @ w.T (+ bias) -> [M, out] (bf16, or fp32 with `out_dtype`) for w held
+    as `pack_q4(w)` (`agentmem_gemv_q4u8`: the rows quantized to int8 as on the u8 route)."""
+    n, k = wp.shape[0] * 16, wp.shape[1] * 8
+    if x.shape[-1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"gemv_q4: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(x.shape[0], n, dtype=out_dtype)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    lib.agentmem_gemv_q4u8(wp.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+                           None if bias is None else bias.data_ptr(), x.shape[0], n, k,
+                           int(out_dtype == torch.float32), torch.get_num_threads())
+    return y
+
+
 def fits_u8(w: torch.Tensor) -> bool:
     """Whether the u8 route takes a weight of this shape (`fits`, and in a multiple of its
     quantization block)."""
@@ -1931,8 +2099,16 @@ def _fused_rows(h: torch.Tensor, norm_w: torch.Tensor) -> bool:
 
 
 def _on_u8(*projs) -> bool:
-    """Whether every `Proj` is int8 on the u8 route (its GEMV layout built) without a bias."""
-    return all(p.fmt == "int8" and p.q8_route == "u8" and p.w_gemv is not None and p.bias is None for p in projs)
+    """Whether every `Proj` is on one route of the fused layer functions, without a bias: int8
+    on the u8 route, or int4 on the q4 route (their GEMV layouts built)."""
+    routes = {p.q8_route if p.fmt in ("int8", "int4") else None for p in projs}
+    return (len(routes) == 1 and routes <= {"u8", "q4"}
+            and all(p.w_gemv is not None and p.bias is None for p in projs))
+
+
+def _q4(p) -> int:
+    """The fused layer functions' `q4` argument for a projection `_on_u8`: 1 for 4-bit weights."""
+    return int(p.q8_route == "q4")
 
 
 def finish_takes(h: torch.Tensor, attn: torch.Tensor, projs: tuple, norm_w: torch.Tensor) -> bool:
@@ -1959,7 +2135,7 @@ def qkv_q8u8(lib: ctypes.CDLL, h: torch.Tensor, norm_w: torch.Tensor, eps: float
     cos, sin = cos.contiguous(), sin.contiguous()
     lib.agentmem_qkv_q8u8(h.data_ptr(), norm_w.data_ptr(), eps, qkv.w_gemv.data_ptr(), qkv.scale.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), out.data_ptr(), qk.data_ptr(), m, d, qkv.out_features,
-                          qk_heads, hd, torch.get_num_threads())
+                          qk_heads, hd, _q4(qkv), torch.get_num_threads())
     return out, qk
 
 
@@ -1973,7 +2149,7 @@ def finish_q8u8(lib: ctypes.CDLL, h: torch.Tensor, attn: torch.Tensor, o, gate_u
     lib.agentmem_finish_q8u8(attn.data_ptr(), attn.shape[1], h.data_ptr(), out.data_ptr(),
                              o.w_gemv.data_ptr(), o.scale.data_ptr(), norm_w.data_ptr(), eps,
                              gate_up.w_gemv.data_ptr(), gate_up.scale.data_ptr(), down.w_gemv.data_ptr(),
-                             down.scale.data_ptr(), m, attn.shape[1], d, down.in_features,
+                             down.scale.data_ptr(), m, attn.shape[1], d, down.in_features, _q4(down),
                              torch.get_num_threads())
     return out
 
@@ -2036,7 +2212,8 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
                             a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(), block.o_p.scale.data_ptr(),
                             block.gate_up_p.w_gemv.data_ptr(), block.gate_up_p.scale.data_ptr(),
                             block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m, h.shape[1],
-                            a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, torch.get_num_threads())
+                            a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, _q4(block.down_p),
+                            torch.get_num_threads())
     return out
 
 
@@ -2070,7 +2247,9 @@ def layers_q8u8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin
     runner's KVPool (k/v [L, slots, KV, hd]). The table of the layers' weight pointers is built
     once a model (`model._u8_layers`, reset by `pack`); None where a layer or the step is not
     taken (the caller runs the layers one by one). Bit-identical to them."""
-    table = layer_table(model, "_u8_layers", _u8_block_takes, _u8_layer_ptrs)
+    first = model.layers[0].down_p if len(model.layers) else None
+    table = layer_table(model, "_u8_layers", lambda b: _u8_block_takes(b) and _q4(b.down_p) == _q4(first),
+                        _u8_layer_ptrs)
     a = model.args
     if table is False or not _u8_step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None
@@ -2081,7 +2260,8 @@ def layers_q8u8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin
         h.data_ptr(), out.data_ptr(), a.n_layers, table, model.layers[0].input_norm.eps, cos.data_ptr(),
         sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), slots.contiguous().data_ptr(),
         idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m, h.shape[1], a.n_heads,
-        a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, torch.get_num_threads())
+        a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, _q4(model.layers[0].down_p),
+        torch.get_num_threads())
     return out
 
 
