@@ -98,6 +98,36 @@ def test_gemv_q8_reads_strided_rows_and_checks_its_input(lib):
         cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, torch.randn(1, 64))
 
 
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 64, 128), (4, 576, 1536), (7, 32, 64), (9, 96, 192)])
+def test_gemv_q4_is_the_groups_sums_of_the_quantized_rows(lib, rows, out, inp):
+    """The AVX2 4-bit product (`vpmaddubsw` on the q4 layout) computes, for the rows quantized to
+    int8 per 64 inputs, sum over groups of d * (q . x) + m * sum(x): checked against that sum in
+    float64 (int16 lane sums of a whole group cannot overflow: q <= 15, |x| <= 127); a row's
+    result does not depend on the rows batched with it; a bias is added."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    packed, dm = cpu_gemv.pack_q4(w)
+    wq = cpu_gemv.unpack_q4(packed, dm)
+    x = torch.randn(rows, inp, generator=g)
+    x[0, 5] = 60.0  # an outlier channel: its block's step only
+    b = torch.randn(out, generator=g)
+    y = cpu_avx2.gemv_q4(lib, packed, dm, x, b)
+    blocks = x.view(rows, -1, 64)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(blocks * (1 / step)).clamp(-127, 127)
+    ref = (xq.double() * step.double()).view(rows, inp) @ wq.double().t() + b.double()
+    assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().max()).all()
+    full = torch.full((out, inp), 0.5)  # every q = 15 against x = +-127: the largest lane sums
+    pf, dmf = cpu_gemv.pack_q4(full + torch.arange(inp) % 2 * 0.25)
+    xs = torch.where(torch.arange(inp) % 2 == 0, 1.0, -1.0).expand(rows, inp).contiguous()
+    want = xs @ cpu_gemv.unpack_q4(pf, dmf).t()
+    assert (cpu_avx2.gemv_q4(lib, pf, dmf, xs) - want).abs().max() < 1e-4 * want.abs().max() + 1e-4
+    alone = torch.cat([cpu_avx2.gemv_q4(lib, packed, dm, x[i:i + 1], b) for i in range(rows)])
+    assert torch.equal(alone, y)
+    with pytest.raises(ValueError):
+        cpu_avx2.gemv_q4(lib, packed, dm, x.bfloat16())
+
+
 def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized_copy_for_many(lib, monkeypatch):
     if cpu_gemv.loaded() is not None:
         monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: no AVX512-BF16 kernels
@@ -259,7 +289,8 @@ def test_silu_mul_matches_torch(lib):
 @pytest.mark.parametrize("lens,bias,kv", [([5, 17, 9], False, torch.float32), ([12], False, torch.float32),
                                          ([3, 30, 8, 1, 22, 14], True, torch.float32),
                                          ([5, 17, 9], False, torch.float16), ([3, 30, 8, 1, 22, 14], True, torch.float16)])
-def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch, lens, bias, kv):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatch, lens, bias, kv, fmt):
     """Decode rows of different lengths, each with its keys scattered over a paged pool: the whole
     layer as one call (`cpu_avx2.layer_q8`: 1 row, 3, and 6 in a 4-row tile and a ragged one, with
     Qwen2's q/k/v biases and an o bias) writes the same K/V into the pool and returns the same
@@ -270,16 +301,17 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     from agentmem.engine.layers import Rotary
 
     monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: the projections take this kernel
-    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=208, head_dim=32,
-                       qkv_bias=bias, o_bias=bias)
+    # int4's products take inputs in whole blocks of 64 (down's: the hidden width)
+    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                       hidden_dim=208 if fmt == "int8" else 192, head_dim=32, qkv_bias=bias, o_bias=bias)
     torch.manual_seed(len(lens))
     block = M.Block(args, 1)
     if bias:
         for lin in (block.q_proj, block.k_proj, block.v_proj, block.o_proj):
             torch.nn.init.normal_(lin.bias)
     block.fuse()
-    block.pack("int8")
-    assert block.o_p.q8_route == "avx2"
+    block.pack(fmt)
+    assert block.o_p.q8_route == ("avx2" if fmt == "int8" else "q4")
     g = torch.Generator().manual_seed(len(lens))
     k0, v0, idx, keep, slots = paged_rows(lens, 2, 128, kv, g)
     h, pos = torch.randn(len(lens), 128, generator=g), torch.tensor([n - 1 for n in lens])
@@ -311,12 +343,14 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
     block.pack("fp32")
     pool = SimpleNamespace(k=k0.clone(), v=v0.clone())
     dense = block(h, pos, rotary, attn)
-    assert (dense - fused).abs().max() < 0.05 * dense.abs().max()
+    # 4-bit groups of dense random weights round each weight by up to a 30th of its group's range
+    assert (dense - fused).abs().max() < (0.05 if fmt == "int8" else 0.2) * dense.abs().max()
     assert fused_pool.k.dtype == kv
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
-def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch, kv):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch, kv, fmt):
     """`Transformer.forward` of decode rows over a paged pool runs every layer in one C call
     (`layers_q8`): the same logits and the same K/V in every layer's pool as the layers one by
     one; a model whose layers the call does not take (a q/k norm, Qwen3's) runs them one by one."""
@@ -325,12 +359,13 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
     from agentmem.engine import model as M
 
     monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU
-    args = M.ModelArgs(vocab_size=96, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=208, head_dim=32)
+    args = M.ModelArgs(vocab_size=96, dim=128, n_layers=3, n_heads=4, n_kv_heads=2,
+                       hidden_dim=208 if fmt == "int8" else 192, head_dim=32)
     torch.manual_seed(3)
     model = M.Transformer(args)
     for blk in model.layers:
         blk.fuse()
-    model.pack("int8")
+    model.pack(fmt)
     g = torch.Generator().manual_seed(3)
     lens = [7, 20, 11, 3]
     k0, v0, idx, keep, slots = paged_rows(lens, 3, 96, kv, g)
@@ -355,7 +390,7 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
     assert calls == [1] and torch.equal(one_call, separate)
     assert torch.equal(p1.k, p2.k) and torch.equal(p1.v, p2.v) and not torch.equal(p1.k, k0)
     model.layers[1].q_norm, model.layers[1].k_norm = M.RMSNorm(32, 1e-5), M.RMSNorm(32, 1e-5)  # not taken
-    model.pack("int8")  # resets the table of pointers
+    model.pack(fmt)  # resets the table of pointers
     calls.clear()
     monkeypatch.setattr(M, "FUSED_DECODE", True)
     assert model._avx2_layers is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _paged import paged_rows
 
-from agentmem.engine.kernels import cpu_gemv
+from agentmem.engine.kernels import cpu_avx2, cpu_gemv
 from agentmem.engine.linear import Proj, onednn_bf16
 
 
@@ -308,7 +308,9 @@ def test_int4_proj_keeps_a_4bit_weight_and_uses_the_kernel_for_few_rows(lib, mon
         ref = x.float() @ p.dequantized().t()
         assert (p(x).float() - ref).abs().max() < 0.03 * ref.abs().max()
     assert calls == [1, cpu_gemv.MAX_ROWS]
-    x = torch.randn(2, 128)  # fp32 rows: the dequantized weight
+    x = torch.randn(2, 128)  # fp32 rows: the AVX2 q4 kernel (its rows in int8) where loaded, else an fp32 copy
+    assert (p(x) - x @ p.dequantized().t()).abs().max() < 0.02 * (x @ p.dequantized().t()).abs().max()
+    monkeypatch.setattr(cpu_avx2, "_lib", None)
     assert (p(x) - x @ p.dequantized().t()).abs().max() < 1e-4
 
 

@@ -255,7 +255,7 @@ class Engine(ChatText):
         if device.type == "cpu" and dtype == torch.bfloat16:
             cpu_gemv.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
             cpu_gemv.choose_q8(config.cache_dir)  # how its int8 product runs here
-        elif device.type == "cpu" and config.weights in ("auto", "int8"):
+        elif device.type == "cpu" and config.weights in ("auto", "int8", "int4"):
             # fp32 rows: the AVX2 int8 GEMV, RMSNorm, RoPE and decode attention (kernels/cpu_avx2.py)
             cpu_avx2.load(config.cache_dir)
         model = load_transformer(path, dtype, device)
@@ -263,7 +263,7 @@ class Engine(ChatText):
         shape = (2 * a.hidden_dim, a.dim)
         rows_math = resolve_rows_math(config.rows_math, dtype, device, shape, config.cache_dir)
         # int4 where the projections are 4-bit already (a Q4_1 GGUF's): lossless, half int8's bytes
-        four_bit = (config.weights == "auto" and dtype == torch.bfloat16 and device.type == "cpu" and q4_kernel()
+        four_bit = (config.weights == "auto" and device.type == "cpu" and q4_kernel(dtype)
                     and is_four_bit([model.layers[0].wqkv, model.layers[-1].w_gate_up, model.layers[-1].down_proj.weight]))
         weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, shape, config.cache_dir,
                                   rows_math, four_bit)

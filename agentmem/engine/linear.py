@@ -31,13 +31,16 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   model read from a Q4_1 GGUF (the default one) is held exactly so: its groups' smallest and
   largest values are m and m + 15 d, so the file's own 4-bit weights come back bit for bit (tested
   on the shipped model), where int8's one scale a row rounds them. Half int8's bytes a decode
-  step: on a 2-core Zen 4 VM one stream 174-185 -> 225-238 tok/s, while eight streams, bound by
-  `vpdpbusd` rather than memory, run ~10% slower (836-861 against 884-1,031; session 40). The LM
-  head stays int8 under int4 (model.py). Elsewhere `_weight_int4pack_mm_for_cpu` (groups with
-  a scale and an offset, perplexity +3.8% over bf16 when measured in session 6).
+  step: on a 2-core Zen 4 VM one stream 156-180 -> 207-238 tok/s, while eight streams, bound by
+  `vpdpbusd` rather than memory, stay where int8's are (836-1,044 against 875-1,031 tok/s in two
+  A/Bs; session 40). The LM head stays int8 under int4 (model.py). Elsewhere
+  `_weight_int4pack_mm_for_cpu` (groups with a scale and an offset: perplexity +3.8% over bf16
+  when it was measured, docs/engine.md).
 
 `auto` (the default) takes, per machine, the faster measured format of those whose quality
-the benchmark accepted: fp32 or bf16 (the engine dtype) and int8. int8 is taken where a one-row
+the benchmark accepted: fp32 or bf16 (the engine dtype) and int8, and int4 in int8's place for a
+model whose projections are 4-bit already (`is_four_bit`: nothing is lost) where its one-row
+product is faster still (`pick_weights`). int8 is taken where a one-row
 product of the model's widest projection runs faster (over cold weights, as a decode streams
 them) and a 512-row one (prefill) at most 1.15x slower (`fastest`); measured once and cached
 under the cache dir, keyed by the CPU flags, the torch version and the kernels. An explicit `--dtype float32` (the
@@ -116,8 +119,10 @@ class Proj:
                 self.q8_route = "avx2"
                 self.w_gemv = cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
-            if cpu_gemv.loaded() is not None and cpu_gemv.vnni() and cpu_gemv.fits_u8(w):
-                # few rows: the q4 kernel (AVX512-VNNI); `scale` holds the groups' fp16 d and m
+            if cpu_gemv.fits_u8(w) and cpu and ((cpu_gemv.loaded() is not None and cpu_gemv.vnni())
+                                                or cpu_avx2.loaded() is not None):
+                # few rows: a q4 kernel (bf16 rows on AVX512-VNNI, fp32 rows on AVX2); `scale`
+                # holds the groups' fp16 d and m
                 self.q8_route = "q4"
                 self.w_gemv, self.scale = cpu_gemv.pack_q4(w)
             else:
@@ -162,7 +167,12 @@ class Proj:
                 return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
             if x.dtype == torch.bfloat16:
                 return self._many_rows(x)
-            return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.Q4_MAX_ROWS
+                    and (lib := cpu_avx2.loaded())):
+                return cpu_avx2.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
+            if self._rows_w_t is None:  # fp32 rows past the kernel: a transposed fp32 copy, as int8 keeps
+                self._rows_w_t = self.dequantized().t().contiguous()
+            return torch.mm(x, self._rows_w_t) if self.bias is None else torch.addmm(self.bias, x, self._rows_w_t)
         if self.fmt == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                              self.scales_zeros.to(x.dtype))
@@ -290,9 +300,12 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
     return fastest(own, shape, cache_dir, rows_math, four_bit)
 
 
-def q4_kernel() -> bool:
-    """Whether int4 weights multiply few rows on the q4 kernel here (AVX512-VNNI, bf16 rows)."""
-    return cpu_gemv.loaded() is not None and cpu_gemv.vnni()
+def q4_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether int4 weights multiply few rows of `dtype` on a q4 kernel here: bf16 rows on
+    AVX512-VNNI (cpu_gemv), fp32 rows on AVX2 (cpu_avx2)."""
+    if dtype == torch.bfloat16:
+        return cpu_gemv.loaded() is not None and cpu_gemv.vnni()
+    return dtype == torch.float32 and cpu_avx2.loaded() is not None
 
 
 def is_four_bit(weights: list[torch.Tensor]) -> bool:
@@ -350,7 +363,7 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     if same_rows:
         key += f"|int8 rows on {'an' if own == 'fp32' else 'a'} {own} copy"
 
-    q4 = own == "bf16" and q4_kernel() and cpu_gemv.fits_shape(shape) and shape[1] % cpu_gemv.U8_BLOCK == 0
+    q4 = q4_kernel(_DENSE[own]) and cpu_gemv.fits_shape(shape) and shape[1] % cpu_gemv.U8_BLOCK == 0
     if q4:  # int4 is timed too (taken only for a model whose weights are 4-bit: `pick_weights`)
         key += "|int4 on q4"
 

@@ -206,6 +206,124 @@ void agentmem_avx2_gemv_q8(const int8_t *w, const float *scale, const float *x, 
     if (xq != stack) free(xq);
 }
 
+/* 4-bit weights (`cpu_gemv.pack_q4`'s layout, llama.cpp's Q4_1 groups: w = d q + m per Q4_GROUP
+   inputs, d and m fp16, q in 0..15), for fp32 rows: the rows quantized to int8 with a step per
+   Q8_BLOCK inputs (as the AVX-512 u8 route does), and q, unsigned, multiplied by them with
+   `vpmaddubsw`, which sums two byte products into an int16. With q <= 15 and |x| <= 127 a pair
+   is at most 3,810, so the eight pairs a lane gathers over a group (32 inputs) add up in int16
+   (<= 30,480) before one `vpmaddwd` by ones widens them: per row and 8 outputs x 32 inputs eight
+   `vpmaddubsw` and eight adds, where the int8 tile above takes 32 `vpmaddwd` and 32 adds for
+   them. Per group and row, d S + m X (S the group's sum, X the row's quantized sum over it).
+   A tile is 8 outputs (one half of a 16-output group; the halves run in turn over the group's
+   weights, which stay in L1) by up to Q4_ROWS rows: 4 accumulators, 4 sums, the two weight
+   operands and two broadcasts fit AVX2's 16 registers. */
+#define Q4_GROUP 32
+#define Q8_BLOCK 64
+#define Q4_ROWS 4
+
+/* Row xr (fp32, K inputs, K a multiple of Q8_BLOCK) to int8 q with a step per Q8_BLOCK inputs
+   xs[K / Q8_BLOCK] (amax / 127, round to nearest even) and xsum[K / Q4_GROUP] = step * (sum of
+   the group's q). */
+static void quantize8(const float *xr, int64_t K, int8_t *q, float *xs, float *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += Q8_BLOCK, b++) {
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < Q8_BLOCK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k0 + j)));
+        const float top = hmax8(amax), step = top > 0.0f ? top / 127.0f : 1.0f;
+        const __m256 iv = _mm256_set1_ps(1.0f / step);
+        xs[b] = step;
+        for (int j = 0; j < Q8_BLOCK; j += 32) {
+            __m256i v[4];
+            for (int u = 0; u < 4; u++) v[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k0 + j + 8 * u), iv));
+            const __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            xsum[(k0 + j) / Q4_GROUP] = step * (float)_mm_cvtsi128_si32(h);
+            /* packs works per 128-bit lane: dwords a0-3 b0-3 c0-3 d0-3 | a4-7 ..., put back in order */
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256((__m256i *)(q + k0 + j), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+}
+
+/* y (+ b) (+ r) for `mb` (1-Q4_ROWS) int8 rows x (K apart) and the 16-output group at n (`wg`:
+   [K/8][16][4] bytes, `dmg`: [K/Q4_GROUP][2][16] fp16). */
+static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wg, const uint16_t *dmg, int64_t K,
+                                                          const int8_t *x, const int mb, float *y, int64_t N,
+                                                          int64_t n, const float *xs, const float *xsum,
+                                                          const float *b, const float *r) {
+    const int64_t nb = K / Q8_BLOCK, ng = K / Q4_GROUP;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 f[Q4_ROWS];
+        for (int i = 0; i < mb; i++) f[i] = _mm256_setzero_ps();
+        for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
+            __m256i acc[Q4_ROWS];
+            for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_si256();
+            for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
+                if (h == 0) _mm_prefetch((const char *)wg + 8 * k + AHEAD, _MM_HINT_T0);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 8 * k + 32 * h));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int i = 0; i < mb; i++) {
+                    int32_t q0, q1;
+                    memcpy(&q0, x + i * K + k, 4);
+                    memcpy(&q1, x + i * K + k + 4, 4);
+                    acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(q0)));
+                    acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q1)));
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dmg + g * 32 + 8 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dmg + g * 32 + 16 + 8 * h)));
+            for (int i = 0; i < mb; i++) {
+                const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)),
+                                               _mm256_set1_ps(xs[i * nb + k0 / Q8_BLOCK]));
+                f[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * ng + g]), _mm256_fmadd_ps(s, d, f[i]));
+            }
+        }
+        for (int i = 0; i < mb; i++) {
+            __m256 v = f[i];
+            if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + n + 8 * h));
+            if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i * N + n + 8 * h));
+            _mm256_storeu_ps(y + i * N + n + 8 * h, v);
+        }
+    }
+}
+
+/* For the calling team: y = the q4 product (+ b) (+ r) of rows xq already quantized by `quantize8`
+   (xs, xsum theirs); the threads split the 16-output groups. */
+static void team_groups_q4(const uint8_t *w, const uint16_t *dm, const int8_t *xq, const float *xs,
+                           const float *xsum, float *y, const float *b, const float *r, int64_t M, int64_t N,
+                           int64_t K) {
+    const int64_t nb = K / Q8_BLOCK, ng = K / Q4_GROUP;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 16; g++) {
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+            #define T(mb) case mb: tile_q4(w + g * 8 * K, dm + g * K, K, xq + m0 * K, mb, y + m0 * N, N, g * 16, \
+                                           xs + m0 * nb, xsum + m0 * ng, b, r ? r + m0 * N : NULL); break;
+            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) { T(4) T(3) T(2) default: T(1) }
+            #undef T
+        }
+    }
+}
+
+/* y = x w^T (+ b) for fp32 x [M, K] (rows ldx apart) and w held by `cpu_gemv.pack_q4` (N a multiple
+   of 16, K of Q8_BLOCK), y fp32 [M, N]. */
+void agentmem_avx2_gemv_q4(const uint8_t *w, const uint16_t *dm, const float *x, int64_t ldx, float *y,
+                           const float *b, int64_t M, int64_t N, int64_t K, int threads) {
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K) + 32);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / Q8_BLOCK) + 1));
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * (K / Q4_GROUP) + 1));
+    for (int64_t m = 0; m < M; m++)
+        quantize8(x + m * ldx, K, xq + m * K, xs + m * (K / Q8_BLOCK), xsum + m * (K / Q4_GROUP));
+    #pragma omp parallel num_threads(threads)
+    team_groups_q4(w, dm, xq, xs, xsum, y, b, NULL, M, N, K);
+    free(xsum);
+    free(xs);
+    free(xq);
+}
+
 /* RMSNorm of fp32 rows: y = x / sqrt(mean(x^2) + eps) * w (rows ldx apart, y contiguous). */
 void agentmem_avx2_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t M, int64_t D,
                                 float eps) {
@@ -639,7 +757,8 @@ void agentmem_avx2_silu_mul_f32(const float *gu, int64_t ld, float *y, int64_t N
    call: `agentmem_avx2_layers_q8` shares it across its layers. */
 typedef struct {
     int16_t *xq;
-    float *xs, *nx, *qkv, *qk, *attn, *h2, *gu, *part;
+    int8_t *xq8;  /* the q4 products' int8 rows, their steps and group sums */
+    float *xs, *xs8, *xsum, *nx, *qkv, *qk, *attn, *h2, *gu, *part;
     int64_t ch;
 } LayerScratch;
 
@@ -650,6 +769,9 @@ static LayerScratch layer_scratch(int64_t M, int64_t D, int64_t H, int64_t KV, i
     LayerScratch t;
     t.xq = (int16_t *)aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
     t.xs = (float *)malloc(sizeof(float) * (size_t)M);
+    t.xq8 = (int8_t *)malloc((size_t)(M * K) + 32);
+    t.xs8 = (float *)malloc(sizeof(float) * (size_t)(M * (K / Q8_BLOCK) + 1));
+    t.xsum = (float *)malloc(sizeof(float) * (size_t)(M * (K / Q4_GROUP) + 1));
     t.nx = (float *)malloc(sizeof(float) * (size_t)(M * D));
     t.qkv = (float *)malloc(sizeof(float) * (size_t)(M * NQKV));
     t.qk = (float *)malloc(sizeof(float) * (size_t)(M * QK * hd));
@@ -663,23 +785,38 @@ static LayerScratch layer_scratch(int64_t M, int64_t D, int64_t H, int64_t KV, i
 
 static void layer_scratch_free(LayerScratch *t) {
     free(t->part); free(t->gu); free(t->h2); free(t->attn); free(t->qk); free(t->qkv); free(t->nx); free(t->xs);
-    free(t->xq);
+    free(t->xq); free(t->xq8); free(t->xs8); free(t->xsum);
+}
+
+/* Row m of x (K inputs) quantized for the layer's products: int16 for int8 weights, int8 in
+   blocks for 4-bit ones (`q4`). */
+static inline void quant_row(int q4, const float *x, int64_t K, int64_t m, const LayerScratch *t) {
+    if (q4) quantize8(x, K, t->xq8 + m * K, t->xs8 + m * (K / Q8_BLOCK), t->xsum + m * (K / Q4_GROUP));
+    else quantize(x, K, t->xq + m * K, t->xs + m);
+}
+
+/* For the calling team: one of the layer's products of the rows `quant_row` made (w, s: int8
+   weights and their fp32 scales, or with `q4` 4-bit ones and their fp16 d and m). */
+static void team_product(int q4, const void *w, const void *s, float *y, const float *b, const float *r, int64_t M,
+                         int64_t N, int64_t K, const LayerScratch *t) {
+    if (q4) team_groups_q4((const uint8_t *)w, (const uint16_t *)s, t->xq8, t->xs8, t->xsum, y, b, r, M, N, K);
+    else team_groups((const int8_t *)w, (const float *)s, t->xq, t->xs, y, b, r, M, N, K);
 }
 
 /* For the calling team: one decoder layer of M decode rows (`agentmem_avx2_layer_q8` says what). */
 static void team_layer(const float *h, float *out, const float *nw1, const float *nw2, float eps,
-                       const int8_t *wqkv, const float *sqkv, const float *bqkv, const float *cs, const float *sn,
+                       const void *wqkv, const void *sqkv, const float *bqkv, const float *cs, const float *sn,
                        void *kp, void *vp, int h16, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
-                       int64_t W, float scale, const int8_t *wo, const float *so, const float *bo,
-                       const int8_t *wgu, const float *sgu, const int8_t *wd, const float *sd, int64_t M,
-                       int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, const LayerScratch *t) {
+                       int64_t W, float scale, const void *wo, const void *so, const float *bo,
+                       const void *wgu, const void *sgu, const void *wd, const void *sd, int64_t M,
+                       int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int q4, const LayerScratch *t) {
     const int64_t QK = H + KV, NQKV = (QK + KV) * hd, HD = H * hd, row = KV * hd;
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         agentmem_avx2_rms_norm_f32(h + m * D, D, nw1, t->nx + m * D, 1, D, eps);
-        quantize(t->nx + m * D, D, t->xq + m * D, t->xs + m);
+        quant_row(q4, t->nx + m * D, D, m, t);
     }
-    team_groups(wqkv, sqkv, t->xq, t->xs, t->qkv, bqkv, NULL, M, NQKV, D);
+    team_product(q4, wqkv, sqkv, t->qkv, bqkv, NULL, M, NQKV, D, t);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *qkv = t->qkv + m * NQKV;
@@ -695,21 +832,21 @@ static void team_layer(const float *h, float *out, const float *nw1, const float
     }
     team_decode_attn(t->qk, QK * hd, kp, vp, idx, keep, t->attn, HD, M, H, KV, hd, W, scale, t->ch, t->part, h16);
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize(t->attn + m * HD, HD, t->xq + m * HD, t->xs + m);
-    team_groups(wo, so, t->xq, t->xs, t->h2, bo, h, M, D, HD);
+    for (int64_t m = 0; m < M; m++) quant_row(q4, t->attn + m * HD, HD, m, t);
+    team_product(q4, wo, so, t->h2, bo, h, M, D, HD, t);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         agentmem_avx2_rms_norm_f32(t->h2 + m * D, D, nw2, t->nx + m * D, 1, D, eps);
-        quantize(t->nx + m * D, D, t->xq + m * D, t->xs + m);
+        quant_row(q4, t->nx + m * D, D, m, t);
     }
-    team_groups(wgu, sgu, t->xq, t->xs, t->gu, NULL, NULL, M, 2 * I, D);
+    team_product(q4, wgu, sgu, t->gu, NULL, NULL, M, 2 * I, D, t);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *gu = t->gu + m * 2 * I;
         silu_mul_row(gu, I, gu);  /* in place: y[i..i+8) is written after gu[i..i+8) and gu[I+i..) are read */
-        quantize(gu, I, t->xq + m * I, t->xs + m);
+        quant_row(q4, gu, I, m, t);
     }
-    team_groups(wd, sd, t->xq, t->xs, out, NULL, t->h2, M, D, I);  /* ends in the team's barrier */
+    team_product(q4, wd, sd, out, NULL, t->h2, M, D, I, t);  /* ends in the team's barrier */
 }
 
 /* A whole decoder layer for M decode rows (one query each) of fp32 hidden states h [M, D], every
@@ -723,15 +860,15 @@ static void team_layer(const float *h, float *out, const float *nw1, const float
    The same arithmetic as the separate calls (each step's rounding included), in another order
    of threads only where the separate calls also split work. */
 void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const float *nw2, float eps,
-                            const int8_t *wqkv, const float *sqkv, const float *bqkv, const float *cs, const float *sn,
+                            const void *wqkv, const void *sqkv, const float *bqkv, const float *cs, const float *sn,
                             void *kp, void *vp, int h16, const int64_t *wslot, const int64_t *idx, const uint8_t *keep,
-                            int64_t W, float scale, const int8_t *wo, const float *so, const float *bo,
-                            const int8_t *wgu, const float *sgu, const int8_t *wd, const float *sd, int64_t M,
-                            int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+                            int64_t W, float scale, const void *wo, const void *so, const float *bo,
+                            const void *wgu, const void *sgu, const void *wd, const void *sd, int64_t M,
+                            int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t I, int q4, int threads) {
     LayerScratch t = layer_scratch(M, D, H, KV, hd, I, W, threads);
     #pragma omp parallel num_threads(threads)
     team_layer(h, out, nw1, nw2, eps, wqkv, sqkv, bqkv, cs, sn, kp, vp, h16, wslot, idx, keep, W, scale, wo, so, bo,
-               wgu, sgu, wd, sd, M, D, H, KV, hd, I, &t);
+               wgu, sgu, wd, sd, M, D, H, KV, hd, I, q4, &t);
     layer_scratch_free(&t);
 }
 
@@ -745,7 +882,7 @@ void agentmem_avx2_layer_q8(const float *h, float *out, const float *nw1, const 
 void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const *w, float eps, const float *cs,
                              const float *sn, void *kp, void *vp, int64_t pstride, int h16, const int64_t *wslot,
                              const int64_t *idx, const uint8_t *keep, int64_t W, float scale, int64_t M, int64_t D,
-                             int64_t H, int64_t KV, int64_t hd, int64_t I, int threads) {
+                             int64_t H, int64_t KV, int64_t hd, int64_t I, int q4, int threads) {
     LayerScratch t = layer_scratch(M, D, H, KV, hd, I, W, threads);
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * M * D));
     const int64_t es = h16 ? 2 : 4;
@@ -756,7 +893,7 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
         float *y = l == L - 1 ? out : buf + (l & 1) * M * D;
         team_layer(x, y, p[0], p[1], eps, p[2], p[3], p[4], cs, sn, (char *)kp + l * pstride * es,
                    (char *)vp + l * pstride * es, h16, wslot, idx, keep, W, scale, p[5], p[6], p[7], p[8], p[9],
-                   p[10], p[11], M, D, H, KV, hd, I, &t);
+                   p[10], p[11], M, D, H, KV, hd, I, q4, &t);
     }
     free(buf);
     layer_scratch_free(&t);
@@ -778,16 +915,17 @@ _FLAGS = _AVX2_FLAGS  # the loaded library's flags: `load` adds VNNI512_FLAGS wh
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
+    "agentmem_avx2_gemv_q4": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
     "agentmem_avx2_rms_norm_f32": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_avx2_rope_f32": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_decode_attn_f16kv": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_silu_mul_f32": [_P, _I, _P, _I, _I],
     "agentmem_avx2_layers_q8": [_P, _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I32, _P, _P, _P, _I,
-                                ctypes.c_float] + [_I] * 6 + [_I32],
+                                ctypes.c_float] + [_I] * 6 + [_I32, _I32],
     "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 7 + [_I32] + [_P] * 3 + [_I, ctypes.c_float]
                               + [_P] * 7
-                              + [_I] * 6 + [_I32],
+                              + [_I] * 6 + [_I32, _I32],
 }
 MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
 # Rows up to which Proj's int8 product takes the kernel: past decode's 16, a blend probe's
@@ -805,6 +943,7 @@ MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decod
 # 4.87-5.40 -> 4.03-4.72 s. So there every row takes it and no fp32 copy is made (int8 is then a
 # memory format too).
 PRODUCT_MAX_ROWS = 48
+Q4_MAX_ROWS = 48  # fp32 rows up to which 4-bit weights take `gemv_q4` (more: an fp32 copy, exact as prefill is)
 VNNI512_PRODUCT_MAX_ROWS = 1 << 62  # `load` sets PRODUCT_MAX_ROWS to this with the VNNI tile
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -888,6 +1027,24 @@ def gemv_q8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Te
     return y
 
 
+def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] (fp32) @ w.T (+ bias) -> [M, out] fp32, for w held as `cpu_gemv.pack_q4(w)`
+    (`agentmem_avx2_gemv_q4`: the rows quantized to int8 per 64 inputs, `vpmaddubsw`)."""
+    n, k = wp.shape[0] * 16, wp.shape[1] * 8
+    if x.dim() != 2 or x.shape[-1] != k or x.dtype != torch.float32 or wp.dtype != torch.uint8 or k % 64:
+        raise ValueError(f"gemv_q4: x must be fp32 [M, {k}] and the weight packed by pack_q4, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib.agentmem_avx2_gemv_q4(wp.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+                              None if bias is None else bias.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+    return y
+
+
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of fp32 rows x [M, D] by an fp32 weight [D] (what F.rms_norm computes, in one call)."""
     return cpu_gemv.norm_rows(lib.agentmem_avx2_rms_norm_f32, torch.float32, x, weight, eps)
@@ -943,8 +1100,15 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
 
 
 def _on_kernel(*projs) -> bool:
-    """Whether every `Proj` is int8 on this kernel's route (its GEMV layout built)."""
-    return all(p is not None and p.fmt == "int8" and p.q8_route == "avx2" and p.w_gemv is not None for p in projs)
+    """Whether every `Proj` is on one of this library's product routes (its GEMV layout built):
+    int8 (`avx2`) or 4-bit (`q4` with fp32 rows: `gemv_q4`)."""
+    routes = {p.q8_route if p is not None and p.fmt in ("int8", "int4") else None for p in projs}
+    return len(routes) == 1 and routes <= {"avx2", "q4"} and all(p.w_gemv is not None for p in projs)
+
+
+def _q4(p) -> int:
+    """The fused layer calls' `q4` argument: 1 for 4-bit weights."""
+    return int(p.q8_route == "q4")
 
 
 def _fp32_or_none(t: torch.Tensor | None) -> bool:
@@ -988,7 +1152,9 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
     in, the last layer's out; pool: the runner's KVPool (k/v [L, slots, KV, hd]). The table of
     the layers' weight pointers is built once a model (`model._avx2_layers`, reset by `pack`);
     None where a layer or the step is not taken (the caller runs the layers one by one)."""
-    table = cpu_gemv.layer_table(model, "_avx2_layers", _block_takes, _layer_ptrs)
+    first = model.layers[0].down_p if len(model.layers) else None
+    table = cpu_gemv.layer_table(model, "_avx2_layers", lambda b: _block_takes(b) and _q4(b.down_p) == _q4(first),
+                                 _layer_ptrs)
     a = model.args
     if table is False or not _step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None
@@ -999,7 +1165,8 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
         h.data_ptr(), out.data_ptr(), a.n_layers, table, model.layers[0].input_norm.eps, cos.data_ptr(),
         sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), int(pool.k.dtype == torch.float16),
         slots.contiguous().data_ptr(), idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m,
-        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, torch.get_num_threads())
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, _q4(first),
+        torch.get_num_threads())
     return out
 
 
@@ -1029,5 +1196,6 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
         int(k_pool.dtype == torch.float16), slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w, a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(),
         block.o_p.scale.data_ptr(), None if bo is None else bo.data_ptr(), block.gate_up_p.w_gemv.data_ptr(),
         block.gate_up_p.scale.data_ptr(), block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m,
-        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, torch.get_num_threads())
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, _q4(block.down_p),
+        torch.get_num_threads())
     return out
