@@ -33,7 +33,8 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   on the shipped model), where int8's one scale a row rounds them. Half int8's bytes a decode
   step: on a 2-core Zen 4 VM one stream 156-180 -> 207-238 tok/s, while eight streams, bound by
   `vpdpbusd` rather than memory, stay where int8's are (836-1,044 against 875-1,031 tok/s in two
-  A/Bs; session 40). The LM head stays int8 under int4 (model.py). Elsewhere
+  A/Bs; session 40). With fp32 rows (AVX2) the AVX2 library's q4 product (`vpmaddubsw`) takes
+  up to `cpu_avx2.Q4_MAX_ROWS` rows, an fp32 copy more. The LM head stays int8 under int4 (model.py). Elsewhere
   `_weight_int4pack_mm_for_cpu` (groups with a scale and an offset: perplexity +3.8% over bf16
   when it was measured, docs/engine.md).
 

@@ -13,6 +13,10 @@ holds one output's input pair. Each 16-output group runs its input rows 4 at a t
 accumulators, 2 weight vectors and the broadcast pair fit AVX2's 16 registers); each chunk
 of I16_CHUNK inputs goes to fp32 before the next, so no int32 sum can overflow.
 
+4-bit weights (`AGENTMEM_WEIGHTS=int4`, `cpu_gemv.pack_q4`'s Q4_1 groups) have their own product
+here (`gemv_q4`, and the same `q4` flag through the fused layer calls): the rows quantized to int8
+per 64 inputs and multiplied with `vpmaddubsw` (see `tile_q4` in the source).
+
 Built once by the system's C compiler into the cache dir and loaded with ctypes
 (`cpu_gemv.load_once`), as the AVX-512 library is; without AVX2/FMA or a compiler, `load`
 returns None, says why, and int8 stays with torch's product.
