@@ -1020,15 +1020,7 @@ def gemv_q8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Te
     n, k = qp.shape[0] * 16, qp.shape[1] * 2
     if x.dim() != 2 or x.shape[-1] != k or x.dtype != torch.float32 or qp.dtype != torch.int8:
         raise ValueError(f"gemv_q8: x must be fp32 [M, {k}] and the weight int8, got {x.dtype} {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    lib.agentmem_avx2_gemv_q8(qp.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                              None if bias is None else bias.data_ptr(), x.shape[0], n, k,
-                              torch.get_num_threads())
-    return y
+    return cpu_gemv.run_product(lib.agentmem_avx2_gemv_q8, qp, scale, x, bias, n, torch.float32, out_flag=False)
 
 
 def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tensor,
@@ -1039,14 +1031,7 @@ def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tenso
     if x.dim() != 2 or x.shape[-1] != k or x.dtype != torch.float32 or wp.dtype != torch.uint8 or k % 64:
         raise ValueError(f"gemv_q4: x must be fp32 [M, {k}] and the weight packed by pack_q4, got {x.dtype} "
                          f"{tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    lib.agentmem_avx2_gemv_q4(wp.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                              None if bias is None else bias.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
-    return y
+    return cpu_gemv.run_product(lib.agentmem_avx2_gemv_q4, wp, dm, x, bias, n, torch.float32, out_flag=False)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

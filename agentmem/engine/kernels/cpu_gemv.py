@@ -1916,15 +1916,23 @@ def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tenso
     n, k = wp.shape[0] * 16, wp.shape[1] * 8
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_q4: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
+    return run_product(lib.agentmem_gemv_q4u8, wp, dm, x, bias, n, out_dtype or x.dtype)
+
+
+def run_product(fn, w: torch.Tensor, s: torch.Tensor | None, x: torch.Tensor, bias: torch.Tensor | None, n: int,
+                out_dtype: torch.dtype, out_flag: bool = True) -> torch.Tensor:
+    """y [M, n] in `out_dtype` from a product function of either library, called as
+    fn(w, s, x, ldx, y, bias, M, n, k[, fp32 out], threads) (`out_flag`: it takes the output's
+    dtype; the AVX2 library's write fp32 only), the rows' last dimension contiguous and the bias
+    fp32."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out_dtype = out_dtype or x.dtype
     y = torch.empty(x.shape[0], n, dtype=out_dtype)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    lib.agentmem_gemv_q4u8(wp.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
-                           None if bias is None else bias.data_ptr(), x.shape[0], n, k,
-                           int(out_dtype == torch.float32), torch.get_num_threads())
+    flag = (int(out_dtype == torch.float32),) if out_flag else ()
+    fn(w.data_ptr(), None if s is None else s.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+       None if bias is None else bias.data_ptr(), x.shape[0], n, x.shape[1], *flag, torch.get_num_threads())
     return y
 
 
@@ -1948,18 +1956,9 @@ def gemv(lib: ctypes.CDLL, wp: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"gemv: x must be bf16 with {k} inputs, got {x.dtype} with {x.shape[-1]}")
     if (scale is None) != (wp.dtype == torch.bfloat16) or (u8 and k % U8_BLOCK):
         raise ValueError(f"gemv: a {wp.dtype} weight {'takes no' if scale is not None else 'needs a'} scale")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty(x.shape[0], n, dtype=out_dtype)
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
     fn = (lib.agentmem_gemv_q8u8 if u8 else lib.agentmem_gemv_q8i16 if i16 and scale is not None
           else lib.agentmem_gemv)
-    fn(wp.data_ptr(), None if scale is None else scale.data_ptr(), x.data_ptr(), x.stride(0),
-       y.data_ptr(), None if bias is None else bias.data_ptr(), x.shape[0], n, k,
-       int(out_dtype == torch.float32), torch.get_num_threads())
-    return y
+    return run_product(fn, wp, scale, x, bias, n, out_dtype or x.dtype)
 
 
 def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
