@@ -50,9 +50,10 @@ def test_gemv_q8_matches_the_dequantized_product(lib, rows, out, inp):
 
 @pytest.mark.skipif(not cpu_avx2.vnni512_ok(), reason="the CPU has no AVX512-VNNI")
 def test_the_avx512_vnni_products_give_the_avx2_products_bits(lib, cache):
-    """The library built with its AVX512-VNNI tile (8 rows a tile, `vpdpwssd`) and without it
-    (4 rows, `vpmaddwd`): the same int32 sums and fp32 arithmetic, so the same bits (the fused
-    layer's tests compare its residual form with the separate calls on whichever is loaded)."""
+    """The library built with its AVX512-VNNI tiles (8 rows a tile, `vpdpwssd` for int8 weights,
+    `vpdpbusd` for 4-bit ones) and without them (4 rows, `vpmaddwd`; `vpmaddubsw`): the same
+    int32 sums and fp32 arithmetic, so the same bits (the fused layer's tests compare its residual
+    form with the separate calls on whichever is loaded)."""
     libs = {}
     for name, flags in (("avx2", cpu_avx2._AVX2_FLAGS), ("vnni", cpu_avx2._AVX2_FLAGS + cpu_avx2.VNNI512_FLAGS)):
         libs[name], why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, flags, cpu_avx2._SIGNATURES, cache)
@@ -62,6 +63,12 @@ def test_the_avx512_vnni_products_give_the_avx2_products_bits(lib, cache):
         q, scale = _int8(torch.randn(out, inp, generator=g) * 0.05)
         x, b = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
         ys = {name: cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, x, b) for name, lib in libs.items()}
+        assert torch.equal(ys["avx2"], ys["vnni"]), (rows, out, inp)
+    # 4-bit weights: `vpdpbusd` over 16 outputs and 8 rows, or `vpmaddubsw` over 8 and 4: the same
+    for rows, out, inp in [(1, 960, 576), (8, 576, 1536), (13, 3072, 576), (5, 32, 64)]:
+        packed, dm = cpu_gemv.pack_q4(torch.randn(out, inp, generator=g) * 0.05)
+        x, b = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
+        ys = {name: cpu_avx2.gemv_q4(lib, packed, dm, x, b) for name, lib in libs.items()}
         assert torch.equal(ys["avx2"], ys["vnni"]), (rows, out, inp)
 
 
