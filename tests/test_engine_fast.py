@@ -107,7 +107,7 @@ def test_the_weights_setting_is_checked_and_follows_an_explicit_dtype(tmp_path):
     ({"weights": "int8", "one_row_us": {"bf16": 186.0, "int8": 101.5}}, True, "int8"),  # no q4 kernel here
 ])
 def test_auto_takes_int4_only_for_4bit_weights_where_it_decodes_faster(record, four_bit, choice):
-    assert pick_weights(record, "bf16", four_bit) == choice
+    assert pick_weights(record, "bf16", lambda: four_bit) == choice
 
 
 def test_4bit_weights_are_told_from_others():

@@ -262,9 +262,12 @@ class Engine(ChatText):
         a = model.args
         shape = (2 * a.hidden_dim, a.dim)
         rows_math = resolve_rows_math(config.rows_math, dtype, device, shape, config.cache_dir)
-        # int4 where the projections are 4-bit already (a Q4_1 GGUF's): lossless, half int8's bytes
-        four_bit = (config.weights == "auto" and device.type == "cpu" and q4_kernel(dtype)
-                    and is_four_bit([model.layers[0].wqkv, model.layers[-1].w_gate_up, model.layers[-1].down_proj.weight]))
+        # int4 where the projections are 4-bit already (a Q4_1 GGUF's): lossless, half int8's bytes;
+        # checked only where auto could take it
+        def four_bit() -> bool:
+            return q4_kernel(dtype) and is_four_bit([model.layers[0].wqkv, model.layers[-1].w_gate_up,
+                                                     model.layers[-1].down_proj.weight])
+
         weights = resolve_weights(config.weights, dtype, config.dtype != "auto", device, shape, config.cache_dir,
                                   rows_math, four_bit)
         if weights != model.weights:

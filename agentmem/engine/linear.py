@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,8 +121,7 @@ class Proj:
                 self.q8_route = "avx2"
                 self.w_gemv = cpu_gemv.pack(self.packed)
         elif self.fmt == "int4":
-            if cpu_gemv.fits_u8(w) and cpu and ((cpu_gemv.loaded() is not None and cpu_gemv.vnni())
-                                                or cpu_avx2.loaded() is not None):
+            if cpu and cpu_gemv.fits_u8(w) and (q4_kernel(torch.bfloat16) or q4_kernel(torch.float32)):
                 # few rows: a q4 kernel (bf16 rows on AVX512-VNNI, fp32 rows on AVX2); `scale`
                 # holds the groups' fp16 d and m
                 self.q8_route = "q4"
@@ -285,9 +285,11 @@ def dense(p: Proj) -> torch.Tensor:
 
 # --- the choice -----------------------------------------------------------------------------
 def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device: torch.device,
-                    shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16", four_bit: bool = False) -> str:
-    """The weight format for `AGENTMEM_WEIGHTS=name` with engine dtype `dtype`; `four_bit`: the
-    model's projections are 4-bit weights already (`is_four_bit`), so int4 loses nothing."""
+                    shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16",
+                    four_bit: Callable[[], bool] = lambda: False) -> str:
+    """The weight format for `AGENTMEM_WEIGHTS=name` with engine dtype `dtype`; `four_bit()`: the
+    model's projections are 4-bit weights already (`is_four_bit`), so int4 loses nothing (asked
+    only where int4 could be taken: the check reads the model's weights)."""
     own = "bf16" if dtype == torch.bfloat16 else "fp32"
     if name != "auto":
         if name not in WEIGHT_FORMATS:
@@ -323,13 +325,13 @@ def is_four_bit(weights: list[torch.Tensor]) -> bool:
     return True
 
 
-def pick_weights(record: dict, own: str, four_bit: bool) -> str:
+def pick_weights(record: dict, own: str, four_bit: Callable[[], bool]) -> str:
     """The format `fastest` takes from its measurement `record`: its choice between `own` and
-    int8, or int4 where the model is `four_bit`, int8 was taken (a compact format pays here) and
-    int4's one-row product ran faster still (its many rows multiply the same bf16 copy)."""
+    int8, or int4 where int8 was taken (a compact format pays here), int4's one-row product ran
+    faster still (its many rows multiply the same bf16 copy) and the model is `four_bit()`."""
     choice = record["weights"]
     times = record.get("one_row_us", {})
-    if four_bit and choice == "int8" and "int4" in times and times["int4"] < times["int8"]:
+    if choice == "int8" and "int4" in times and times["int4"] < times["int8"] and four_bit():
         return "int4"
     return choice
 
@@ -342,7 +344,7 @@ def kernels_tag() -> str:
 
 
 def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16",
-            four_bit: bool = False) -> str:
+            four_bit: Callable[[], bool] = lambda: False) -> str:
     """`own` or int8: int8 only where it runs a one-row product of `shape` [out, in] (decode,
     cold weights) faster here and a PREFILL_ROWS-row one (prefill) at most PREFILL_SLACK
     slower; measured once

@@ -221,7 +221,7 @@ void agentmem_avx2_gemv_q8(const int8_t *w, const float *scale, const float *x, 
    A tile is 8 outputs (one half of a 16-output group; the halves run in turn over the group's
    weights, which stay in L1) by up to Q4_ROWS rows: 4 accumulators, 4 sums, the two weight
    operands and two broadcasts fit AVX2's 16 registers. */
-#define Q4_GROUP 32
+#define Q4_GROUP 32  /* as in cpu_gemv's Q4_VNNI_C, which the VNNI build includes below */
 #define Q8_BLOCK 64
 
 /* Row xr (fp32, K inputs, K a multiple of Q8_BLOCK) to int8 q with a step per Q8_BLOCK inputs
@@ -253,40 +253,19 @@ static void quantize8(const float *xr, int64_t K, int8_t *q, float *xs, float *x
 
 #ifdef AGENTMEM_VNNI512
 /* On AVX512-VNNI (`vnni512`): the 16 outputs in one register and `vpdpbusd` (q against four int8
-   inputs into each int32 lane), 8 rows a tile. The group sums are the same integers as the AVX2
-   tile's and their fp32 arithmetic is too, lane for lane: the same bits. */
+   inputs into each int32 lane), 8 rows a tile: cpu_gemv's group loop (`q4_tile_sums`). The group
+   sums are the same integers as the AVX2 tile's and their fp32 arithmetic is too, lane for lane:
+   the same bits. */
 #define Q4_ROWS 8
-#define DPBUSD(acc, u, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x))
+#define Q4_AHEAD AHEAD  /* this library's products fetch AHEAD into L1 (8 KB into L2 measured 2-6% slower here) */
+#define Q4_HINT _MM_HINT_T0
+@Q4_VNNI@
 static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wg, const uint16_t *dmg, int64_t K,
                                                           const int8_t *x, const int mb, float *y, int64_t N,
                                                           int64_t n, const float *xs, const float *xsum,
                                                           const float *b, const float *r) {
-    const int64_t nb = K / Q8_BLOCK, ng = K / Q4_GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[Q4_ROWS];
-    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
-        __m512i acc[Q4_ROWS];
-        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
-            _mm_prefetch((const char *)wg + 8 * k + AHEAD, _MM_HINT_T0);
-            const __m512i v = _mm512_loadu_si512(wg + 8 * k);
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int i = 0; i < mb; i++) {
-                int32_t q0, q1;
-                memcpy(&q0, x + i * K + k, 4);
-                memcpy(&q1, x + i * K + k + 4, 4);
-                DPBUSD(acc[i], lo, _mm512_set1_epi32(q0));
-                DPBUSD(acc[i], hi, _mm512_set1_epi32(q1));
-            }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
-        for (int i = 0; i < mb; i++) {
-            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / Q8_BLOCK]));
-            f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(s, d, f[i]));
-        }
-    }
+    q4_tile_sums(wg, dmg, K, x, K, mb, xs, xsum, f);
     for (int i = 0; i < mb; i++) {
         __m512 v = f[i];
         if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + n));
@@ -952,7 +931,7 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
     free(buf);
     layer_scratch_free(&t);
 }
-""".replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C)
+""".replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C).replace("@Q4_VNNI@", cpu_gemv.Q4_VNNI_C)
 
 # -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
 # function rounds alike at every call site (the fused layer and the separate calls give the same bits)
@@ -1145,10 +1124,6 @@ def _on_kernel(*projs) -> bool:
     return len(routes) == 1 and routes <= {"avx2", "q4"} and all(p.w_gemv is not None for p in projs)
 
 
-def _q4(p) -> int:
-    """The fused layer calls' `q4` argument: 1 for 4-bit weights."""
-    return int(p.q8_route == "q4")
-
 
 def _fp32_or_none(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
@@ -1191,9 +1166,7 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
     in, the last layer's out; pool: the runner's KVPool (k/v [L, slots, KV, hd]). The table of
     the layers' weight pointers is built once a model (`model._avx2_layers`, reset by `pack`);
     None where a layer or the step is not taken (the caller runs the layers one by one)."""
-    first = model.layers[0].down_p if len(model.layers) else None
-    table = cpu_gemv.layer_table(model, "_avx2_layers", lambda b: _block_takes(b) and _q4(b.down_p) == _q4(first),
-                                 _layer_ptrs)
+    table = cpu_gemv.layer_table(model, "_avx2_layers", _block_takes, _layer_ptrs)
     a = model.args
     if table is False or not _step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None
@@ -1204,7 +1177,8 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
         h.data_ptr(), out.data_ptr(), a.n_layers, table, model.layers[0].input_norm.eps, cos.data_ptr(),
         sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), int(pool.k.dtype == torch.float16),
         slots.contiguous().data_ptr(), idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m,
-        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, _q4(first),
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features,
+        cpu_gemv.q4_flag(model.layers[0].down_p),
         torch.get_num_threads())
     return out
 
@@ -1235,6 +1209,6 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
         int(k_pool.dtype == torch.float16), slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w, a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(),
         block.o_p.scale.data_ptr(), None if bo is None else bo.data_ptr(), block.gate_up_p.w_gemv.data_ptr(),
         block.gate_up_p.scale.data_ptr(), block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m,
-        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, _q4(block.down_p),
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, cpu_gemv.q4_flag(block.down_p),
         torch.get_num_threads())
     return out

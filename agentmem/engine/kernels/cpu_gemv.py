@@ -84,6 +84,56 @@ static void da_weights(const float *part, int64_t nc, int64_t H, int64_t ldp, in
 }
 """
 
+# Shared by both libraries' AVX512-VNNI 4-bit products (this one's bf16 rows, cpu_avx2's fp32 rows in its
+# VNNI build): one 16-output group of 4-bit weights against `mb` int8 rows, the fp32 sums per
+# row left in f[] for the caller to store its own way.
+Q4_VNNI_C = r"""#ifndef Q4_GROUP
+#define Q4_GROUP 32  /* inputs per d and m */
+#endif
+#define Q4_XBLOCK 64  /* inputs per step of the int8 rows */
+#ifndef Q4_AHEAD  /* bytes of weights fetched ahead, and to where: 8 KB into L2 as the u8 tile's (U8_AHEAD) */
+#define Q4_AHEAD 8192
+#define Q4_HINT _MM_HINT_T1
+#endif
+#define Q4_DPBUSD(acc, u, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x))
+
+/* f[i] (1 <= mb <= 8) = sum over groups of d S + m X for int8 row i (x, rows ldx apart; xs its
+   steps per Q4_XBLOCK, xsum its group sums) and the 16 outputs of `wg` ([K/8][16][4] bytes: a
+   32-bit lane holds one output's inputs k..k+3 in its low nibbles, k+4..k+7 in its high ones)
+   with `dmg` ([K/Q4_GROUP][2][16] fp16). q (0..15) is `vpdpbusd`'s unsigned operand as it is. */
+__attribute__((target("avx512vnni")))
+static inline __attribute__((always_inline)) void q4_tile_sums(const uint8_t *wg, const uint16_t *dmg, int64_t K,
+                                                               const int8_t *x, int64_t ldx, const int mb,
+                                                               const float *xs, const float *xsum, __m512 *f) {
+    const int64_t nb = K / Q4_XBLOCK, ng = K / Q4_GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
+        __m512i acc[8];
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
+            const uint8_t *p = wg + 8 * k;
+            _mm_prefetch((const char *)p + Q4_AHEAD, Q4_HINT);
+            const __m512i v = _mm512_loadu_si512(p);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int i = 0; i < mb; i++) {
+                int32_t q0, q1;
+                memcpy(&q0, x + i * ldx + k, 4);
+                memcpy(&q1, x + i * ldx + k + 4, 4);
+                Q4_DPBUSD(acc[i], lo, _mm512_set1_epi32(q0));
+                Q4_DPBUSD(acc[i], hi, _mm512_set1_epi32(q1));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
+        for (int i = 0; i < mb; i++) {
+            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / Q4_XBLOCK]));
+            f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(sx, d, f[i]));
+        }
+    }
+}
+"""
+
 _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
@@ -447,13 +497,18 @@ void agentmem_gemv_q8u8(const uint8_t *w, const float *scale, const uint16_t *x,
    bytes: a 32-bit lane holds one output's inputs k..k+3 in its low nibbles and k+4..k+7 in its
    high ones, so one 64-byte load feeds two `vpdpbusd` after a mask and a shift; d and m
    [N/16][K/Q4_GROUP][2][16] fp16. Per group and row: sum_k (d q_k + m) x_k = d S + m X, with S the
-   group's int32 sum and X = sum_k x_k (`q4_sums`, once per row). Half the bytes of int8 for the
+   group's int32 sum and X = sum_k x_k (`quantize_q4`, once per row). Half the bytes of int8 for the
    same `vpdpbusd` count; the group's fp32 work (a convert and three FMAs a row) comes every 32
-   inputs instead of 64. */
-#define Q4_GROUP 32
+   inputs instead of 64. The group loop is `q4_tile_sums` (Q4_VNNI_C), shared with cpu_avx2. */
+@Q4_VNNI@
 
-/* xsum[g] = xs[block of g] * (sum of the int8 row's inputs in group g), for one quantized row. */
-static void q4_sums(const int8_t *q, int64_t K, const float *xs, float *xsum) {
+/* Row x (bf16, K inputs) to int8 q as the u8 route quantizes it (steps xs per U8_BLOCK; its
+   offset correction is not needed: q4 weights are unsigned as they are), and its group sums
+   xsum[g] = xs[block of g] * (sum of the row's q in group g). */
+__attribute__((target("avx512vnni")))
+static void quantize_q4(const uint16_t *x, int64_t K, int8_t *q, float *xs, float *xsum) {
+    float corr;
+    quantize_i8(x, K, q, xs, &corr);
     for (int64_t g = 0; g < K / Q4_GROUP; g++) {
         int32_t t = 0;
         for (int64_t k = g * Q4_GROUP; k < (g + 1) * Q4_GROUP; k++) t += q[k];
@@ -461,40 +516,14 @@ static void q4_sums(const int8_t *q, int64_t K, const float *xs, float *xsum) {
     }
 }
 
-/* y for `mb` (1-8) int8 rows of a 16-output group (`wg`: [K/8][16][4] bytes, `dmg`:
-   [K/Q4_GROUP][2][16] fp16): per group, int32 sums (8 registers) into fp32 ones (8 more). */
+/* y for `mb` (1-8) int8 rows of a 16-output group (`q4_tile_sums`), stored as bf16 or fp32. */
 __attribute__((target("avx512vnni")))
 static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wg, const uint16_t *dmg, int64_t K,
                                                           const int8_t *x, int64_t ldx, const int mb, void *y,
                                                           int64_t N, int64_t n, const float *xs, const float *xsum,
                                                           const float *b, int f32) {
-    const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[8];
-    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
-        __m512i acc[8];
-        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
-            const uint8_t *p = wg + 8 * k;
-            _mm_prefetch((const char *)p + U8_AHEAD, _MM_HINT_T1);
-            const __m512i v = _mm512_loadu_si512(p);
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int i = 0; i < mb; i++) {
-                int32_t q0, q1;
-                memcpy(&q0, x + i * ldx + k, 4);
-                memcpy(&q1, x + i * ldx + k + 4, 4);
-                DPBUSD(acc[i], lo, _mm512_set1_epi32(q0));
-                DPBUSD(acc[i], hi, _mm512_set1_epi32(q1));
-            }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
-        for (int i = 0; i < mb; i++) {
-            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / U8_BLOCK]));
-            f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(sx, d, f[i]));
-        }
-    }
+    q4_tile_sums(wg, dmg, K, x, ldx, mb, xs, xsum, f);
     for (int i = 0; i < mb; i++) store(y, i * N + n, f[i], b ? b + n : 0, f32);
 }
 
@@ -505,11 +534,8 @@ void agentmem_gemv_q4u8(const uint8_t *w, const uint16_t *dm, const uint16_t *x,
     const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
     int8_t stack[M * K <= I8_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
     int8_t *xq = M * K <= I8_STACK ? stack : (int8_t *)malloc((size_t)(M * K));
-    float xs[M * nb > 0 ? M * nb : 1], xsum[M * ng > 0 ? M * ng : 1], corr;
-    for (int64_t m = 0; m < M; m++) {
-        quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, &corr);
-        q4_sums(xq + m * K, K, xs + m * nb, xsum + m * ng);
-    }
+    float xs[M * nb > 0 ? M * nb : 1], xsum[M * ng > 0 ? M * ng : 1];
+    for (int64_t m = 0; m < M; m++) quantize_q4(x + m * ldx, K, xq + m * K, xs + m * nb, xsum + m * ng);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -1089,11 +1115,7 @@ static void team_q4u8(const uint8_t *w, const uint16_t *dm, const uint16_t *x, i
                       int64_t M, int64_t N, int64_t K, int8_t *xq, float *xs, float *xsum) {
     const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        float corr;
-        quantize_i8(x + m * ldx, K, xq + m * K, xs + m * nb, &corr);
-        q4_sums(xq + m * K, K, xs + m * nb, xsum + m * ng);
-    }
+    for (int64_t m = 0; m < M; m++) quantize_q4(x + m * ldx, K, xq + m * K, xs + m * nb, xsum + m * ng);
     #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
         #define TILE(mb) tile_q4(w + g * 8 * K, dm + g * K, K, xq, K, mb, y, N, g * 16, xs, xsum, 0, 0)
@@ -1645,7 +1667,7 @@ void agentmem_rows_attn_amx(const uint16_t *q, const int64_t *qpos, const uint16
     free(vt);
     free(kt);
 }
-""".replace("@DA_CHUNK@", DECODE_CHUNK_C)
+""".replace("@DA_CHUNK@", DECODE_CHUNK_C).replace("@Q4_VNNI@", Q4_VNNI_C)
 
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -2105,8 +2127,9 @@ def _on_u8(*projs) -> bool:
             and all(p.w_gemv is not None and p.bias is None for p in projs))
 
 
-def _q4(p) -> int:
-    """The fused layer functions' `q4` argument for a projection `_on_u8`: 1 for 4-bit weights."""
+def q4_flag(p) -> int:
+    """Both libraries' fused layer calls' `q4` argument for a projection on their routes: 1 for
+    4-bit weights (the q4 layout), 0 for int8."""
     return int(p.q8_route == "q4")
 
 
@@ -2134,7 +2157,7 @@ def qkv_q8u8(lib: ctypes.CDLL, h: torch.Tensor, norm_w: torch.Tensor, eps: float
     cos, sin = cos.contiguous(), sin.contiguous()
     lib.agentmem_qkv_q8u8(h.data_ptr(), norm_w.data_ptr(), eps, qkv.w_gemv.data_ptr(), qkv.scale.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), out.data_ptr(), qk.data_ptr(), m, d, qkv.out_features,
-                          qk_heads, hd, _q4(qkv), torch.get_num_threads())
+                          qk_heads, hd, q4_flag(qkv), torch.get_num_threads())
     return out, qk
 
 
@@ -2148,7 +2171,7 @@ def finish_q8u8(lib: ctypes.CDLL, h: torch.Tensor, attn: torch.Tensor, o, gate_u
     lib.agentmem_finish_q8u8(attn.data_ptr(), attn.shape[1], h.data_ptr(), out.data_ptr(),
                              o.w_gemv.data_ptr(), o.scale.data_ptr(), norm_w.data_ptr(), eps,
                              gate_up.w_gemv.data_ptr(), gate_up.scale.data_ptr(), down.w_gemv.data_ptr(),
-                             down.scale.data_ptr(), m, attn.shape[1], d, down.in_features, _q4(down),
+                             down.scale.data_ptr(), m, attn.shape[1], d, down.in_features, q4_flag(down),
                              torch.get_num_threads())
     return out
 
@@ -2211,7 +2234,7 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
                             a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(), block.o_p.scale.data_ptr(),
                             block.gate_up_p.w_gemv.data_ptr(), block.gate_up_p.scale.data_ptr(),
                             block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m, h.shape[1],
-                            a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, _q4(block.down_p),
+                            a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, q4_flag(block.down_p),
                             torch.get_num_threads())
     return out
 
@@ -2219,11 +2242,13 @@ def layer_q8u8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin:
 def layer_table(model, attr: str, takes: Callable, ptrs: Callable):
     """The table of every layer's weight pointers a whole-step decode call reads (`ptrs(block)`
     a layer, side by side), kept on the model as `attr` (reset by `Transformer.pack`); False,
-    kept too, when a layer is not taken (`takes(block)`) or the layers' norms differ in eps."""
+    kept too, when a layer is not taken (`takes(block)`), or the layers' norms differ in eps or
+    their weights in format (the call takes one `q4` flag for all: `q4_flag`)."""
     table = getattr(model, attr, None)
     if table is None:
         blocks = list(model.layers)
-        ok = bool(blocks) and all(takes(b) for b in blocks) and len({b.input_norm.eps for b in blocks}) == 1
+        ok = (bool(blocks) and all(takes(b) for b in blocks) and len({b.input_norm.eps for b in blocks}) == 1
+              and len({q4_flag(p) for b in blocks for p in (b.qkv_p, b.o_p, b.gate_up_p, b.down_p)}) == 1)
         flat = [p for b in blocks for p in ptrs(b)] if ok else []
         table = (ctypes.c_void_p * len(flat))(*flat) if ok else False
         setattr(model, attr, table)
@@ -2246,9 +2271,7 @@ def layers_q8u8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin
     runner's KVPool (k/v [L, slots, KV, hd]). The table of the layers' weight pointers is built
     once a model (`model._u8_layers`, reset by `pack`); None where a layer or the step is not
     taken (the caller runs the layers one by one). Bit-identical to them."""
-    first = model.layers[0].down_p if len(model.layers) else None
-    table = layer_table(model, "_u8_layers", lambda b: _u8_block_takes(b) and _q4(b.down_p) == _q4(first),
-                        _u8_layer_ptrs)
+    table = layer_table(model, "_u8_layers", _u8_block_takes, _u8_layer_ptrs)
     a = model.args
     if table is False or not _u8_step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None
@@ -2259,7 +2282,7 @@ def layers_q8u8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin
         h.data_ptr(), out.data_ptr(), a.n_layers, table, model.layers[0].input_norm.eps, cos.data_ptr(),
         sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), slots.contiguous().data_ptr(),
         idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m, h.shape[1], a.n_heads,
-        a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, _q4(model.layers[0].down_p),
+        a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features, q4_flag(model.layers[0].down_p),
         torch.get_num_threads())
     return out
 
