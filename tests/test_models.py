@@ -430,11 +430,16 @@ def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
 
     monkeypatch.setattr(bench, "machine_figures", lambda dtype, device, fmt, rows_math="bf16": (1.0, 1.0, 1.0, 1.0))
     assert bench.main(["--model", str(tiny.path), "--json", "--dtype", "float32", "--prompt-tokens", "64",
-                       "--new-tokens", "4", "--streams", "2", "--repeats", "1"]) == 0
+                       "--new-tokens", "4", "--streams", "2", "--repeats", "1", "--batch-prompt-tokens", "40"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model"] == tiny.path.name and out["max_logit_err"] <= 1e-4
     assert type(tiny.hf).__name__ in out["peer"] and out["prefill_tok_s"] > 0
     assert out["decode_long_tok_s"] > 0 and out["hf_decode_long_tok_s"] > 0
+    # the streams after a memory turn's worth of prompt each, and one stream after such a prompt
+    assert out["batch_long_prompt_tokens"] == 40
+    assert out["batch_long_decode_tok_s"] > 0 and out["batch_long_single_decode_tok_s"] > 0
+    assert out["batch_long_speedup_vs_single"] == pytest.approx(
+        out["batch_long_decode_tok_s"] / out["batch_long_single_decode_tok_s"], abs=0.01)
     # int8's decode: the same figure when int8 is the format chosen, else its own engine's runs
     assert out["decode_tok_s_int8"] > 0
     assert (out["decode_tok_s_int8"] == out["decode_tok_s"]) == (out["weights"] == "int8")

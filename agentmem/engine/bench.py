@@ -22,6 +22,10 @@ interleaved, so both see the same load on a shared machine):
   `batch_path`, as for one stream); decode throughput of all streams together, and KV
   utilisation (used / allocated KV bytes of the paged pool over the run; `kv_utilization_reserved` is the same for a contiguous cache
   that reserves prompt + max_tokens per request, the best case of pre-paging servers).
+- batch_long: the same streams, each after its own `--batch-prompt-tokens` prose prompt (default
+  512, about what a memory turn's prompt holds), `BATCH_LONG_TOKENS` tokens each, on the batch's
+  path, and one stream after such a prompt beside them: what a service decodes at, where every
+  row's attention reads its own keys (the batch above starts from one-line chat prompts).
 - max_logit_err: fp32 logits of ours vs HF's `AutoModelForCausalLM` on 512 prompt tokens;
   `perplexity` of fp32, the bench dtype and int8 weights on those tokens, and int8's max
   logit error against our fp32; `decode_perplexity`, the same tokens read one a forward as
@@ -185,6 +189,7 @@ def ours_prefill_s(engine: Engine, loop: EngineLoop, ids: list[int]) -> float:
 # 135M model was cut at 105-190 of 256 tokens, after decode steps whose tokens it rolled back,
 # so tok/s read low and moved from run to run (8 streams: some streams ended early).
 TIMED = {"ignore_eos": True, "stop_loops": False}
+BATCH_LONG_TOKENS = 64  # batch_long's tokens a stream: its prompts' prefill is the longer part of that run
 
 
 def ours_decode_tok_s(engine: Engine, loop: EngineLoop, prompt, new_tokens: int) -> float:
@@ -336,10 +341,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--batch-prompt-tokens", type=int, default=512,
+                    help="batch_long: each stream's prompt (a memory turn's is about this long)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     if args.quick:
         args.prompt_tokens, args.new_tokens, args.repeats = min(args.prompt_tokens, 256), min(args.new_tokens, 16), 1
+        args.batch_prompt_tokens = min(args.batch_prompt_tokens, 128)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -440,6 +448,12 @@ def main(argv: list[str]) -> int:
     batch_path = (max(batch_best, key=lambda n: batch_best[n][0]) if measured
                   else "compiled" if on else "eager")
     rate, util, reserved = batch_best[batch_path]
+    log(f"decode {BATCH_LONG_TOKENS} tokens, {args.streams} streams after {args.batch_prompt_tokens}-token prompts ...")
+    long_rate, long_one = [], []
+    for r in range(args.repeats):
+        prompts = [prose_ids(engine, args.batch_prompt_tokens, seed=1000 + 100 * r + i) for i in range(args.streams)]
+        long_rate.append(ours_batch(engine, batch_loops[batch_path], prompts, BATCH_LONG_TOKENS)[0])
+        long_one.append(ours_decode_tok_s(engine, batch_loops[batch_path], prompts[0], BATCH_LONG_TOKENS))
 
     log("logits vs HF in fp32, perplexities ...")
     err_ids = ids[:512]
@@ -502,6 +516,10 @@ def main(argv: list[str]) -> int:
         "batch8_decode_tok_s" if args.streams == 8 else f"batch{args.streams}_decode_tok_s": round(rate, 1),
         "batch_decode_tok_s_by_path": {name: round(best[0], 1) for name, best in batch_best.items()},
         "batch_path": batch_path,
+        "batch_long_decode_tok_s": round(max(long_rate), 1),
+        "batch_long_single_decode_tok_s": round(max(long_one), 1),
+        "batch_long_speedup_vs_single": round(max(long_rate) / max(long_one), 2),
+        "batch_long_prompt_tokens": args.batch_prompt_tokens,
         "max_logit_err": err,
         "perplexity": ppl,
         "decode_perplexity": ppl_decode,
