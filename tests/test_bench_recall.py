@@ -251,3 +251,30 @@ def test_run_on_a_dataset_file_scores_its_own_categories(engine, embedder, tmp_p
     assert out["by_category"]["single_hop"]["questions"] == 2 and out["questions"] == 3
     # five turns: every evidence turn is among the top 10 of every ranking
     assert out["evidence_recall_at_10"] == out["dense_recall_at_10"] == 1.0
+
+
+def test_import_as_names_prefixes_or_bare_roles():
+    """`--import-as`: the same session as a data set gives it (`name`), as a flattened transcript
+    ("Name: ..." and no `name`) or as bare user/assistant turns; the input is not changed."""
+    from agentmem.recall_bench.bench import IMPORTS, as_imported
+
+    msgs = [{"role": "user", "content": "finally bought a cello", "name": "Kwame", "created_at": "2023-02-20"},
+            {"role": "assistant", "content": "play me something", "name": "Ines"},
+            {"role": "assistant", "content": "Noted."}]
+    assert IMPORTS == ("named", "prefixed", "roles")
+    assert as_imported(msgs, "named") == msgs
+    pre = as_imported(msgs, "prefixed")
+    assert [m["content"] for m in pre] == ["Kwame: finally bought a cello", "Ines: play me something", "Noted."]
+    roles = as_imported(msgs, "roles")
+    assert all("name" not in m for m in pre + roles) and [m["role"] for m in roles] == ["user", "assistant", "assistant"]
+    assert [m["content"] for m in roles] == [m["content"] for m in msgs] and roles[0]["created_at"] == "2023-02-20"
+    assert msgs[0]["name"] == "Kwame"  # copies
+
+
+def test_a_run_on_bare_roles_says_so_and_still_finds_the_turns(engine, embedder, tmp_path):
+    args = argparse.Namespace(seed=0, conversations=1, sessions=None, turns="20,60", scale=None, scale_queries=3,
+                              no_scale=True, db_url=None, dtype="float32", dataset=str(_own_file(tmp_path)),
+                              import_as="roles")
+    out = run(args, engine, embedder, tmp_path / "store")
+    assert out["import_as"] == "roles" and out["questions"] == 3
+    assert out["evidence_recall_at_10"] == 1.0  # five turns: all of them are in any top 10

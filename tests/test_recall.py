@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from agentmem.config import Config
 from agentmem.tiers import InvalidInput, MemoryStore
 from agentmem.tiers.archive import Archive, migrate
-from agentmem.tiers.query import content_terms, parse_query
+from agentmem.tiers.query import content_terms, mask_capitalised, parse_query
 from agentmem.tiers.timeparse import parse_time
 
 T0 = datetime(2023, 5, 1, 10, 0, tzinfo=UTC)
@@ -767,6 +767,28 @@ def test_a_speaker_named_like_a_function_word_is_named_only_as_written(question,
     (boosted, masked in the embedded question) only where the question capitalises it."""
     pq = parse_query(question, ["Tom", "Will"], NOW)
     assert pq.people == people and pq.dense_text == dense
+
+
+@pytest.mark.parametrize("question, dense", [
+    ("Which instrument did Priya pick up?", "Which instrument did someone pick up?"),
+    ("What is Priya's job? Did Tom know?", "What is someone's job? Did someone know?"),  # a sentence's first word stays
+    ("Where did we go at Christmas in May?", "Where did we go at Christmas in May?"),  # times are not people
+    ("what did will bring", "what did will bring"),
+    ("OK so what TV show did Ana like", "OK so what TV show did someone like"),  # all-capital words are not names
+])
+def test_with_no_speaker_known_capitalised_words_are_masked_in_the_embedded_question(question, dense):
+    """A history that names no speaker (bare user/assistant turns): a name in the question may be
+    either party, whose own turns never say it, so it is masked in what MiniLM reads; the
+    full-text terms keep it."""
+    assert mask_capitalised(question) == dense
+    pq = parse_query(question, [], NOW)
+    assert pq.dense_text == dense and pq.people == []
+    assert parse_query(question, None, NOW).dense_text == dense
+    if "Priya" in question:
+        assert "priya" in pq.terms
+        # with speakers known, only they are masked: a third person keeps their name
+        named = parse_query(question, ["Tom"], NOW)
+        assert "Priya" in named.dense_text and "Tom" not in named.dense_text
 
 
 def _neighbour_ids_in_scope(store):

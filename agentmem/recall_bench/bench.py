@@ -67,9 +67,30 @@ def _add(session, messages: list[dict]) -> list[int]:
     return ids
 
 
-def import_conversations(data: Dataset, store, engine, config, tenant: str) -> tuple[dict[str, list[int]], float]:
-    """Each conversation into its own user; returns turn index -> message id per conversation,
-    and the seconds `add_messages` took."""
+IMPORTS = ("named", "prefixed", "roles")  # --import-as: how each turn names its speaker
+
+
+def as_imported(messages: list[dict], how: str) -> list[dict]:
+    """A session's messages as an importer may write them: `named` (each turn's speaker in
+    OpenAI's `name`, as the data sets give it), `prefixed` (no `name`, the text opening with
+    "Name: ", a flattened transcript) or `roles` (no `name` and no prefix: bare user/assistant
+    turns, all an importer that maps two people onto the two roles keeps)."""
+    if how == "named":
+        return messages
+    out = []
+    for m in messages:
+        m = dict(m)
+        name = m.pop("name", None)
+        if how == "prefixed" and name:
+            m["content"] = f"{name}: {m['content']}"
+        out.append(m)
+    return out
+
+
+def import_conversations(data: Dataset, store, engine, config, tenant: str,
+                         how: str = "named") -> tuple[dict[str, list[int]], float]:
+    """Each conversation into its own user (its turns as `as_imported(.., how)` writes them);
+    returns turn index -> message id per conversation, and the seconds `add_messages` took."""
     from ..session import AgentSession
 
     ids: dict[str, list[int]] = {}
@@ -79,7 +100,7 @@ def import_conversations(data: Dataset, store, engine, config, tenant: str) -> t
         for msgs in conv.sessions():
             s = AgentSession(conv.id, tenant_id=tenant, config=config, engine=engine, store=store)
             t0 = time.perf_counter()
-            ids[conv.id] += _add(s, msgs)
+            ids[conv.id] += _add(s, as_imported(msgs, how))
             spent += time.perf_counter() - t0
     return ids, spent
 
@@ -109,11 +130,11 @@ def _lexical(store, tenant: str, data: Dataset) -> list[list[int]] | None:
     return out
 
 
-def evaluate(data: Dataset, store, engine, config, embedder, tenant: str = "bench") -> dict:
-    """Import, ask every question, score the system and both peers per category."""
+def evaluate(data: Dataset, store, engine, config, embedder, tenant: str = "bench", how: str = "named") -> dict:
+    """Import (`as_imported(.., how)`), ask every question, score the system and both peers per category."""
     from ..session import AgentSession
 
-    ids, spent = import_conversations(data, store, engine, config, tenant)
+    ids, spent = import_conversations(data, store, engine, config, tenant, how)
     system = []
     sessions = {c.id: AgentSession(c.id, tenant_id=tenant, config=config, engine=engine, store=store)
                 for c in data.conversations}
@@ -217,7 +238,9 @@ def run(args: argparse.Namespace, engine, embedder, data_dir: Path,
     print(f"{len(data.conversations)} conversations, {sum(len(c.turns) for c in data.conversations)} turns, "
           f"{len(data.questions)} questions" + (f" ({skipped} skipped: evidence names no turn)" if skipped else ""),
           file=sys.stderr)
-    result = evaluate(data, store, engine, config, embedder)
+    how = getattr(args, "import_as", "named")
+    result = evaluate(data, store, engine, config, embedder, how=how)
+    result["import_as"] = how
     scale = args.scale if args.scale is not None else ("" if dataset else DEFAULT_SCALE)
     sizes = [] if args.no_scale else [int(x) for x in scale.split(",") if x]
     result["scale"], result["ingest_msgs_per_s"] = [], result["import_msgs_per_s"]
@@ -254,6 +277,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-scale", action="store_true", help="skip the latency test")
     ap.add_argument("--db-url", default=None, help="archive database (default: SQLite in a temporary folder)")
     ap.add_argument("--dtype", default="float32", help="the engine's dtype (context() counts tokens with it)")
+    ap.add_argument("--import-as", choices=IMPORTS, default="named",
+                    help="how each imported turn names its speaker: `name` (named), a \"Name: \" prefix "
+                         "(prefixed) or not at all (roles)")
     args = ap.parse_args(argv)
     loaded = None
     if args.dataset:  # a bad file fails here, before the model loads
