@@ -775,6 +775,7 @@ def test_a_speaker_named_like_a_function_word_is_named_only_as_written(question,
     ("Where did we go at Christmas in May?", "Where did we go at Christmas in May?"),  # times are not people
     ("what did will bring", "what did will bring"),
     ("OK so what TV show did Ana like", "OK so what TV show did someone like"),  # all-capital words are not names
+    ("Did Zoë meet José's brother on her iPhone?", "Did someone meet someone's brother on her iPhone?"),
 ])
 def test_with_no_speaker_known_capitalised_words_are_masked_in_the_embedded_question(question, dense):
     """A history that names no speaker (bare user/assistant turns): a name in the question may be
