@@ -269,6 +269,8 @@ def test_import_as_names_prefixes_or_bare_roles():
     assert all("name" not in m for m in pre + roles) and [m["role"] for m in roles] == ["user", "assistant", "assistant"]
     assert [m["content"] for m in roles] == [m["content"] for m in msgs] and roles[0]["created_at"] == "2023-02-20"
     assert msgs[0]["name"] == "Kwame"  # copies
+    with pytest.raises(ValueError, match="import_as must be one of named, prefixed, roles"):
+        as_imported(msgs, "anonymous")
 
 
 def test_a_run_on_bare_roles_says_so_and_still_finds_the_turns(engine, embedder, tmp_path):

@@ -75,6 +75,8 @@ def as_imported(messages: list[dict], how: str) -> list[dict]:
     OpenAI's `name`, as the data sets give it), `prefixed` (no `name`, the text opening with
     "Name: ", a flattened transcript) or `roles` (no `name` and no prefix: bare user/assistant
     turns, all an importer that maps two people onto the two roles keeps)."""
+    if how not in IMPORTS:
+        raise ValueError(f"import_as must be one of {', '.join(IMPORTS)}, got {how!r}")
     if how == "named":
         return messages
     out = []
