@@ -138,16 +138,17 @@ def mask_capitalised(text: str) -> str:
     roles only (no `name`, no "Name:" prefix): recall@10 0.682 -> 0.800 and 0.541 -> 0.691
     (imported with names: 0.877 and 0.768, unchanged by this); which-person questions there
     0.929 -> 0.881 on the hand-written set, where third persons lose their name's pull."""
-    out, last = [], 0
+    out, last, end, prev = [], 0, 0, ""  # prev: the last non-space character before the word
     for m in _LETTERS.finditer(text):
         w = m.group(0)
-        if not w[0].isupper() or w.isupper():  # capitalised: "Zoë", "José"; not "TV", "OK", "I"
-            continue
-        before = text[:m.start()].rstrip()
-        if not before or before[-1] in ".!?" or w.lower() in _TIME_WORDS:
-            continue
-        out += [text[last:m.start()], "someone"]
-        last = m.end()
+        prev = (text[end:m.start()].rstrip() or prev)[-1:]
+        end = m.end()
+        # capitalised ("Zoë", "José"; not "TV", "OK", "I"), inside a sentence, not a time
+        if (w[0].isupper() and not w.isupper() and prev and prev not in ".!?"
+                and w.lower() not in _TIME_WORDS):
+            out += [text[last:m.start()], "someone"]
+            last = end
+        prev = w[-1]
     return "".join(out) + text[last:]
 
 
