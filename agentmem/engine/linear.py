@@ -171,9 +171,7 @@ class Proj:
             if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.Q4_MAX_ROWS
                     and (lib := cpu_avx2.loaded())):
                 return cpu_avx2.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
-            if self._rows_w_t is None:  # fp32 rows past the kernel: a transposed fp32 copy, as int8 keeps
-                self._rows_w_t = self.dequantized().t().contiguous()
-            return torch.mm(x, self._rows_w_t) if self.bias is None else torch.addmm(self.bias, x, self._rows_w_t)
+            return self._fp32_rows(x)
         if self.fmt == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                              self.scales_zeros.to(x.dtype))
@@ -217,8 +215,13 @@ class Proj:
         As with the AVX-512 kernels, int8 buys decode speed here, not memory."""
         if x.shape[0] <= cpu_avx2.PRODUCT_MAX_ROWS and (lib := cpu_avx2.loaded()):
             return cpu_avx2.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
+        return self._fp32_rows(x)
+
+    def _fp32_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 rows past the AVX2 kernels' for int8 or int4 (q4) weights: the dequantized weight
+        in fp32, transposed, made at the first such call and kept."""
         if self._rows_w_t is None:
-            self._rows_w_t = (self.packed.float() * self.scale[:, None]).t().contiguous()
+            self._rows_w_t = self.dequantized().t().contiguous()
         return torch.mm(x, self._rows_w_t) if self.bias is None else torch.addmm(self.bias, x, self._rows_w_t)
 
 
