@@ -48,28 +48,34 @@ def test_gemv_q8_matches_the_dequantized_product(lib, rows, out, inp):
     assert not torch.equal(y, torch.zeros_like(y))
 
 
-@pytest.mark.skipif(not cpu_avx2.vnni512_ok(), reason="the CPU has no AVX512-VNNI")
-def test_the_avx512_vnni_products_give_the_avx2_products_bits(lib, cache):
-    """The library built with its AVX512-VNNI tiles (8 rows a tile, `vpdpwssd` for int8 weights,
-    `vpdpbusd` for 4-bit ones) and without them (4 rows, `vpmaddwd`; `vpmaddubsw`): the same
-    int32 sums and fp32 arithmetic, so the same bits (the fused layer's tests compare its residual
-    form with the separate calls on whichever is loaded)."""
+_WIDE = [("vnni", cpu_avx2.VNNI512_FLAGS, cpu_avx2.vnni512_ok), ("avx512bw", cpu_avx2.AVX512BW_FLAGS, cpu_avx2.avx512bw_ok)]
+
+
+@pytest.mark.parametrize("wide,flags,ok", _WIDE, ids=[w[0] for w in _WIDE])
+def test_the_avx512_products_give_the_avx2_products_bits(lib, cache, wide, flags, ok):
+    """The library built with its AVX-512 tiles (8 rows a tile; `vpdpwssd` for int8 weights and
+    `vpdpbusd` for 4-bit ones on VNNI, 512-bit `vpmaddwd` and `vpmaddubsw` without it) and without
+    them (4 rows, 256-bit `vpmaddwd`; `vpmaddubsw` over 8 outputs): the same int32 sums and fp32
+    arithmetic, so the same bits (the fused layer's tests compare its residual form with the
+    separate calls on whichever is loaded)."""
+    if not ok():
+        pytest.skip(f"the CPU cannot run the {wide} tile")
     libs = {}
-    for name, flags in (("avx2", cpu_avx2._AVX2_FLAGS), ("vnni", cpu_avx2._AVX2_FLAGS + cpu_avx2.VNNI512_FLAGS)):
-        libs[name], why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, flags, cpu_avx2._SIGNATURES, cache)
+    for name, fl in (("avx2", cpu_avx2._AVX2_FLAGS), (wide, cpu_avx2._AVX2_FLAGS + flags)):
+        libs[name], why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, fl, cpu_avx2._SIGNATURES, cache)
         assert libs[name] is not None, why
     g = torch.Generator().manual_seed(5)
     for rows, out, inp in [(1, 960, 576), (8, 576, 1536), (13, 3072, 576), (16, 32, 4100), (7, 16, 34)]:
         q, scale = _int8(torch.randn(out, inp, generator=g) * 0.05)
         x, b = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
         ys = {name: cpu_avx2.gemv_q8(lib, cpu_gemv.pack(q), scale, x, b) for name, lib in libs.items()}
-        assert torch.equal(ys["avx2"], ys["vnni"]), (rows, out, inp)
-    # 4-bit weights: `vpdpbusd` over 16 outputs and 8 rows, or `vpmaddubsw` over 8 and 4: the same
+        assert torch.equal(ys["avx2"], ys[wide]), (rows, out, inp)
+    # 4-bit weights: 16 outputs and 8 rows a tile, or 8 and 4: the same
     for rows, out, inp in [(1, 960, 576), (8, 576, 1536), (13, 3072, 576), (5, 32, 64)]:
         packed, dm = cpu_gemv.pack_q4(torch.randn(out, inp, generator=g) * 0.05)
         x, b = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
         ys = {name: cpu_avx2.gemv_q4(lib, packed, dm, x, b) for name, lib in libs.items()}
-        assert torch.equal(ys["avx2"], ys["vnni"]), (rows, out, inp)
+        assert torch.equal(ys["avx2"], ys[wide]), (rows, out, inp)
 
 
 def test_the_products_tile_is_timed_once_per_machine_and_remembered(lib, cache, monkeypatch):
@@ -81,15 +87,18 @@ def test_the_products_tile_is_timed_once_per_machine_and_remembered(lib, cache, 
     monkeypatch.setenv("AGENTMEM_GEMV_VNNI512", "off")
     assert cpu_avx2.choose_tile(cache) is False
     monkeypatch.setenv("AGENTMEM_GEMV_VNNI512", "auto")
-    vnni = "-DAGENTMEM_VNNI512" in cpu_avx2._FLAGS  # what `load` took for this module's library
+    wide = "-DAGENTMEM_AVX512" in cpu_avx2._FLAGS  # what `load` took for this module's library
+    vnni = "-DAGENTMEM_VNNI512" in cpu_avx2._FLAGS
     assert (cpu_avx2.PRODUCT_MAX_ROWS == cpu_avx2.VNNI512_PRODUCT_MAX_ROWS) == vnni
-    if not cpu_avx2.vnni512_ok():
-        assert not vnni and cpu_avx2.choose_tile(cache) is False
+    if cpu_avx2.wide_tile() is None:
+        assert not wide and cpu_avx2.choose_tile(cache) is False
         return
+    name = cpu_avx2.wide_tile()[0]
+    assert name == ("vnni512" if cpu_avx2.vnni512_ok() else "avx512bw")
     chosen = cpu_avx2.choose_tile(cache)  # timed now where `load` did not (AGENTMEM_GEMV_VNNI512 was off)
     (entry,) = json.loads((cache / "avx2-tile-choice.json").read_text()).values()
-    assert set(entry["us"]) == {"avx2", "vnni512"} and entry["tile"] == min(entry["us"], key=entry["us"].get)
-    assert chosen == (entry["tile"] == "vnni512")
+    assert set(entry["us"]) == {"avx2", name} and entry["tile"] == min(entry["us"], key=entry["us"].get)
+    assert chosen == (entry["tile"] == name)
     monkeypatch.setattr(cpu_gemv, "cold_int8_seconds", lambda *a, **k: pytest.fail("timed again"))
     assert cpu_avx2.choose_tile(cache) == chosen  # remembered
 

@@ -17,6 +17,11 @@ of I16_CHUNK inputs goes to fp32 before the next, so no int32 sum can overflow.
 here (`gemv_q4`, and the same `q4` flag through the fused layer calls): the rows quantized to int8
 per 64 inputs and multiplied with `vpmaddubsw` (see `tile_q4` in the source).
 
+Where the CPU has AVX-512 but no AVX512-BF16 (the engine runs fp32 there too), the same source is
+built with 512-bit tiles (`choose_tile`, `wide_tile`): `vnni512` on AVX512-VNNI (Cascade Lake, Ice
+Lake), `avx512bw` on AVX-512 without VNNI (Skylake-SP): 16 outputs and 8 rows a tile, the same
+integer sums and fp32 arithmetic, so the same bits as the AVX2 tiles.
+
 Built once by the system's C compiler into the cache dir and loaded with ctypes
 (`cpu_gemv.load_once`), as the AVX-512 library is; without AVX2/FMA or a compiler, `load`
 returns None, says why, and int8 stays with torch's product.
@@ -87,17 +92,21 @@ static void quantize(const float *xr, int64_t K, int16_t *q, float *xs) {
     for (; k < K; k++) q[k] = (int16_t)lrintf(xr[k] * inv);
 }
 
-#ifdef AGENTMEM_VNNI512
-/* The products on AVX512-VNNI (`vnni512`: a CPU with AVX-512 and VNNI but no AVX512-BF16, where the
-   engine runs fp32 on this library): the same int16 rows and int8 weights in the same layout,
-   the 32 bytes of an input pair's 16 outputs sign-extended into one 512-bit register
-   (`vpmovsxbw`) and multiplied into 16 int32 sums by one `vpdpwssd` a row, where AVX2 takes two
-   `vpmaddwd` and two adds; 8 rows at a time (16 accumulators of AVX-512's 32 registers). The
-   int32 sums are the AVX2 code's, and their fp32 arithmetic is too, lane for lane: the same
-   bits. */
+#ifdef AGENTMEM_AVX512
+/* The products on AVX-512 (`vnni512`: a CPU with AVX-512 and VNNI but no AVX512-BF16, where the
+   engine runs fp32 on this library; `avx512bw`: AVX-512 without VNNI, Skylake-SP): the same int16
+   rows and int8 weights in the same layout, the 32 bytes of an input pair's 16 outputs
+   sign-extended into one 512-bit register (`vpmovsxbw`) and multiplied into 16 int32 sums by one
+   `vpdpwssd` a row (VNNI), or one 512-bit `vpmaddwd` and add, where AVX2 takes two of each; 8
+   rows at a time (16 accumulators of AVX-512's 32 registers). The int32 sums are the AVX2 code's,
+   and their fp32 arithmetic is too, lane for lane: the same bits. */
 #define TILE_ROWS 8
+#ifdef AGENTMEM_VNNI512
 /* in asm: the intrinsic made GCC copy every accumulator a step (a register move per product) */
 #define DPWSSD(acc, w, x) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+#else
+#define DPWSSD(acc, w, x) ((acc) = _mm512_add_epi32((acc), _mm512_madd_epi16((w), (x))))
+#endif
 static inline __attribute__((always_inline)) void tile(const int8_t *wg, int64_t K, const int16_t *x, const int mb,
                                                        float *y, int64_t N, int64_t n, const float *s,
                                                        const float *xs, const float *b, const float *r) {
@@ -251,15 +260,50 @@ static void quantize8(const float *xr, int64_t K, int8_t *q, float *xs, float *x
     }
 }
 
-#ifdef AGENTMEM_VNNI512
+#ifdef AGENTMEM_AVX512
 /* On AVX512-VNNI (`vnni512`): the 16 outputs in one register and `vpdpbusd` (q against four int8
-   inputs into each int32 lane), 8 rows a tile: cpu_gemv's group loop (`q4_tile_sums`). The group
-   sums are the same integers as the AVX2 tile's and their fp32 arithmetic is too, lane for lane:
-   the same bits. */
+   inputs into each int32 lane), 8 rows a tile: cpu_gemv's group loop (`q4_tile_sums`). On
+   AVX-512 without VNNI (`avx512bw`) the AVX2 tile's `vpmaddubsw` pair sums in int16, widened by
+   one `vpmaddwd` a group, over all 16 outputs at once. The group sums are the same integers as
+   the AVX2 tile's and their fp32 arithmetic is too, lane for lane: the same bits. */
 #define Q4_ROWS 8
 #define Q4_AHEAD AHEAD  /* this library's products fetch AHEAD into L1 (8 KB into L2 measured 2-6% slower here) */
 #define Q4_HINT _MM_HINT_T0
+#ifdef AGENTMEM_VNNI512
 @Q4_VNNI@
+#else
+static inline __attribute__((always_inline)) void q4_tile_sums(const uint8_t *wg, const uint16_t *dmg, int64_t K,
+                                                               const int8_t *x, int64_t ldx, const int mb,
+                                                               const float *xs, const float *xsum, __m512 *f) {
+    const int64_t nb = K / Q8_BLOCK, ng = K / Q4_GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
+        __m512i acc[8];
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
+            const uint8_t *p = wg + 8 * k;
+            _mm_prefetch((const char *)p + Q4_AHEAD, Q4_HINT);
+            const __m512i v = _mm512_loadu_si512(p);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int i = 0; i < mb; i++) {
+                int32_t q0, q1;
+                memcpy(&q0, x + i * ldx + k, 4);
+                memcpy(&q1, x + i * ldx + k + 4, 4);
+                acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(q0)));
+                acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(q1)));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
+        for (int i = 0; i < mb; i++) {
+            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(acc[i], ones)),
+                                            _mm512_set1_ps(xs[i * nb + k0 / Q8_BLOCK]));
+            f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(sx, d, f[i]));
+        }
+    }
+}
+#endif
 static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wg, const uint16_t *dmg, int64_t K,
                                                           const int8_t *x, const int mb, float *y, int64_t N,
                                                           int64_t n, const float *xs, const float *xsum,
@@ -527,8 +571,8 @@ static inline __attribute__((always_inline)) void scores_any(const void *kp, con
     }
 }
 
-#ifdef AGENTMEM_VNNI512
-/* The same two steps 16 dims a vector, in the library built for AVX-512 (`vnni512`), for a head
+#ifdef AGENTMEM_AVX512
+/* The same two steps 16 dims a vector, in the library built for AVX-512 (`vnni512`, `avx512bw`), for a head
    dimension that is a multiple of 16: a key's dot product takes half the instructions, and the
    weighted sum of V holds up to 4 heads x 64 dims in registers (16 of AVX-512's 32), one pass
    over the keys where AVX2 made three for SmolLM2's 3 heads of 64. Their sums run in another
@@ -635,7 +679,7 @@ static inline __attribute__((always_inline)) void da_item(const float *q, int64_
                             _mm_prefetch((const char *)kp + (slot[j] * ldv + kvh * hd) * es + 64 * l, _MM_HINT_T0);
                             _mm_prefetch((const char *)vp + (slot[j] * ldv + kvh * hd) * es + 64 * l, _MM_HINT_T0);
                         }
-#ifdef AGENTMEM_VNNI512
+#ifdef AGENTMEM_AVX512
                 if (hd % 16 == 0) {
                     for (int64_t g = 0; g < gb; g++)
                         scores_any16(kp, slot + t0, ldv, kvh * hd, qg + g * hd, hd / 16, sc, s + g * ch + t0, H16);
@@ -662,7 +706,7 @@ static inline __attribute__((always_inline)) void da_item(const float *q, int64_
             }
             for (int64_t i = 0; i < gb;) {  /* the weighted sum of V: up to 4 heads a pass over the keys */
                 const int64_t left = gb - i, gn = left <= 4 ? left : left == 5 || left == 6 ? 3 : 4;
-#ifdef AGENTMEM_VNNI512
+#ifdef AGENTMEM_AVX512
                 if (hd % 16 == 0) {
                     const int64_t n16 = hd / 16;
                     for (int64_t d0 = 0; d0 < n16; d0 += PV16_WIDTH)
@@ -936,7 +980,9 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
 # -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
 # function rounds alike at every call site (the fused layer and the separate calls give the same bits)
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-VNNI512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DAGENTMEM_VNNI512"]
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-DAGENTMEM_AVX512"]
+VNNI512_FLAGS = _AVX512_FLAGS + ["-mavx512vnni", "-DAGENTMEM_VNNI512"]
+AVX512BW_FLAGS = _AVX512_FLAGS + ["-DAGENTMEM_AVX512BW"]
 
 
 def vnni512_ok() -> bool:
@@ -944,7 +990,22 @@ def vnni512_ok() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags()
 
 
-_FLAGS = _AVX2_FLAGS  # the loaded library's flags: `load` adds VNNI512_FLAGS where `choose_tile` takes them
+def avx512bw_ok() -> bool:
+    """Whether the CPU can run the products' AVX-512 tile without VNNI (`avx512bw`)."""
+    return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+
+
+def wide_tile() -> tuple[str, list[str]] | None:
+    """The AVX-512 tile this CPU can run and its extra build flags: `vnni512` where it has
+    AVX512-VNNI, else `avx512bw` where it has AVX-512 (F, BW, VL; Skylake-SP), else None."""
+    if vnni512_ok():
+        return "vnni512", VNNI512_FLAGS
+    if avx512bw_ok():
+        return "avx512bw", AVX512BW_FLAGS
+    return None
+
+
+_FLAGS = _AVX2_FLAGS  # the loaded library's flags: `load` adds `wide_tile`'s where `choose_tile` takes it
 _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
@@ -997,31 +1058,34 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
     global _FLAGS, PRODUCT_MAX_ROWS
     with _lock:
         if not _tried and cpu_ok() and os.environ.get("AGENTMEM_GEMV", "on") != "off" and choose_tile(cache_dir):
-            _FLAGS = _AVX2_FLAGS + VNNI512_FLAGS
-            PRODUCT_MAX_ROWS = VNNI512_PRODUCT_MAX_ROWS
+            name, flags = wide_tile()
+            _FLAGS = _AVX2_FLAGS + flags
+            if name == "vnni512":
+                PRODUCT_MAX_ROWS = VNNI512_PRODUCT_MAX_ROWS
     return cpu_gemv.load_once(sys.modules[__name__], "gemv_avx2", cpu_ok, "AVX2/FMA/F16C", cache_dir)
 
 
 def choose_tile(cache_dir: Path | str | None) -> bool:
-    """Whether the products take the AVX512-VNNI tile: AGENTMEM_GEMV_VNNI512 = auto (the default:
-    on a CPU that has AVX512-VNNI, both builds' products timed in turns over cold weights, one
-    row and eight together, once per machine and remembered under `cache_dir`) | on | off. The
-    two give the same bits, so this is a choice of speed alone. On the Cascade Lake VM of session
-    38 the VNNI tile took eight rows' products from 16.2 to 8.7-10.9 ms and one row's from 7.4-7.8
-    to 7.2-7.6."""
+    """Whether the products take the AVX-512 tile (`wide_tile`: AVX512-VNNI's, or plain AVX-512's
+    where the CPU has no VNNI): AGENTMEM_GEMV_VNNI512 = auto (the default: on a CPU that has
+    AVX-512, both builds' products timed in turns over cold weights, one row and eight together,
+    once per machine and remembered under `cache_dir`) | on | off. The two give the same bits, so
+    this is a choice of speed alone. On the Cascade Lake VM of session 38 the VNNI tile took eight
+    rows' products from 16.2 to 8.7-10.9 ms and one row's from 7.4-7.8 to 7.2-7.6."""
     mode = os.environ.get("AGENTMEM_GEMV_VNNI512", "auto")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"AGENTMEM_GEMV_VNNI512 must be auto, on or off, got {mode!r}")
-    if mode == "off" or not vnni512_ok():
+    wide = wide_tile()
+    if mode == "off" or wide is None:
         return False
     if mode == "on":
         return True
     cache_dir = cpu_gemv.kernel_cache(cache_dir)
-    key = f"avx2-tile|{cpu_gemv.source_tag('t', _SOURCE, _AVX2_FLAGS + VNNI512_FLAGS)}|{torch.get_num_threads()}|{simd_flags()}"
+    key = f"avx2-tile|{cpu_gemv.source_tag('t', _SOURCE, _AVX2_FLAGS + wide[1])}|{torch.get_num_threads()}|{simd_flags()}"
 
     def measure() -> dict:
         libs = {}
-        for name, flags in (("avx2", _AVX2_FLAGS), ("vnni512", _AVX2_FLAGS + VNNI512_FLAGS)):
+        for name, flags in (("avx2", _AVX2_FLAGS), (wide[0], _AVX2_FLAGS + wide[1])):
             libs[name], why = cpu_gemv.build("gemv_avx2", _SOURCE, flags, _SIGNATURES, cache_dir)  # load's file
             if libs[name] is None:
                 return {"tile": "avx2", "why": why}
@@ -1030,7 +1094,7 @@ def choose_tile(cache_dir: Path | str | None) -> bool:
         us = {t: round(v * 1e6, 1) for t, v in times.items()}
         return {"tile": min(us, key=us.get), "us": us}
 
-    return remembered(cache_dir, "avx2-tile-choice.json", key, measure)["tile"] == "vnni512"
+    return remembered(cache_dir, "avx2-tile-choice.json", key, measure)["tile"] == wide[0]
 
 
 def loaded() -> ctypes.CDLL | None:
