@@ -172,3 +172,28 @@ def test_placement_fills_the_pool_and_keeps_the_newest_cached_prefixes():
     for s in [grower, *everyone]:
         bm.free(s)
     assert bm.num_free == 16 and bm._is_free.all()
+
+
+def test_the_runners_key_slot_tensor_is_the_per_key_list():
+    """ModelRunner._key_slots_tensor (a decode step's key slots from the block tables by tensor
+    ops) gives `_key_slots`' list exactly: ragged lengths, each row padded with its own first
+    slot, tables longer than the keys they hold, one key, a block boundary."""
+    import random
+
+    import torch
+
+    from agentmem.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.blocks = torch.device("cpu"), BlockManager(num_blocks=512, block_size=16)
+    rng = random.Random(3)
+    for lens in ([1], [16], [17, 16, 1], [300, 5, 64, 299], [rng.randint(1, 400) for _ in range(9)]):
+        seqs = []
+        for n in lens:
+            s = seq(range(4))
+            s.block_table = rng.sample(range(512), -(-n // 16) + rng.randint(0, 2))
+            seqs.append(s)
+        width = max(lens)
+        want = runner._key_slots(seqs, lens, width)
+        got = runner._key_slots_tensor(seqs, lens, width)
+        assert got.dtype == torch.long and got.tolist() == want, lens

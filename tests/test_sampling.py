@@ -263,3 +263,20 @@ def test_default_penalties_stay_off_grammar_bound_replies():
     assert (free.frequency_penalty, free.presence_penalty) == (0.3, 0.3)
     assert (bound.frequency_penalty, bound.presence_penalty, bound.temperature) == (0.0, 0.0, 0.2)
     assert asked.frequency_penalty == 0.5
+
+
+def test_argmax_is_torchs_on_rows_and_one_row_ties_and_nan_included():
+    """sampler.argmax (numpy's on fp32 CPU tensors, for speed) picks what torch's argmax picks:
+    the first of equal values, a NaN as the largest, strided rows."""
+    import torch
+
+    from agentmem.engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 1000, generator=g)
+    x[3, 7] = x[3, 9] = 1e9  # a tie: the first
+    x[5, 11] = float("nan")
+    with torch.inference_mode():
+        y = x.clone()
+        for t in (x, y, x.t(), x[2], x.to(torch.bfloat16)):
+            assert torch.as_tensor(argmax(t)).tolist() == t.argmax(-1).tolist()

@@ -23,7 +23,7 @@ from .cuda_graph import GraphDecode
 from .detokenize import ReplyText
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
-from .sampler import penalize, sample_row, top_logprobs
+from .sampler import argmax, penalize, sample_row, top_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .threads import TRACE_LOCK, release_omp_pool
@@ -209,7 +209,7 @@ class EngineLoop:
         if not ready:
             return
         logits = torch.stack([lg for _, lg in ready]).float()
-        greedy = logits.argmax(-1).tolist()
+        greedy = argmax(logits).tolist()
         for j, (seq, _) in enumerate(ready):
             p = seq.params
             tok = greedy[j] if p.plain_greedy else self._choose(seq, logits[j])

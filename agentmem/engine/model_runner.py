@@ -81,8 +81,7 @@ class ModelRunner:
             lens_t = self._tensor(lens, torch.int32)
             return lambda i, q: paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens_t)
         width = max(lens)
-        idx = self._key_slots(seqs, lens, width)
-        idx_t = self._tensor(idx)
+        idx_t = self._key_slots_tensor(seqs, lens, width)
         mask = None
         if min(lens) < width or (window is not None and width > window):
             slot = torch.arange(width, device=self.device)[None, :]
@@ -121,6 +120,19 @@ class ModelRunner:
             slots = self.blocks.slots(s, 0, n)
             idx += slots + slots[:1] * (width - n)
         return idx
+
+    def _key_slots_tensor(self, seqs: list[Sequence], lens: list[int], width: int) -> torch.Tensor:
+        """`_key_slots` as a flat long tensor, made from the block tables by a few tensor ops: a step's
+        Python work no longer grows with the keys (a list of every key's slot cost 4 ms a step
+        for 8 streams of ~550 keys on a 2-core Skylake VM, an eighth of the step)."""
+        bs = self.blocks.block_size
+        nb = -(-width // bs)
+        tables = self._tensor([s.block_table[:nb] + [0] * (nb - len(s.block_table[:nb])) for s in seqs])
+        pos = torch.arange(width, device=self.device)
+        idx = tables[:, pos // bs] * bs + pos % bs
+        if min(lens) < width:  # each row padded with its own first slot (masked)
+            idx = torch.where(pos[None, :] < self._tensor(lens)[:, None], idx, idx[:, :1])
+        return idx.reshape(-1)
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Sequence]]:

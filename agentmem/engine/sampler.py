@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import InvalidSampling
@@ -160,15 +161,25 @@ def _nucleus_cut(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return vals[keep - 1]
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """The index of the largest value along the last dimension (the first of equal ones), as
+    torch's argmax. An fp32 CPU tensor goes through numpy's, which is ~10x faster: over 8 rows
+    of 49,152 logits 0.06 ms against torch's 0.6, one row 0.016 against 0.12 (2-core Skylake VM),
+    a tenth of a decode step's Python work for 8 streams."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return x.numpy().argmax(-1)
+    return x.argmax(-1)
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from processed logits [V] (penalties and grammar mask already applied).
     Drawn as argmax(p / E) with E ~ Exp(1) per token (the exponential race, as vLLM samples):
     the same distribution as multinomial, which takes ~60 ms over 49k tokens on this CPU."""
     if params.temperature == 0.0:
-        return int(logits.argmax())
+        return int(argmax(logits))
     probs = torch.softmax(truncate(logits, params), -1)
     race = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / race).argmax())
+    return int(argmax(probs / race))
 
 
 def copy_index(sources: list[list[int]], n: int) -> dict[tuple[int, ...], set[int]]:
