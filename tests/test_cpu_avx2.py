@@ -412,3 +412,33 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
     assert model._avx2_layers is None
     run(True)
     assert calls == [] and model._avx2_layers is False
+
+
+def test_rows_attention_of_fp32_rows_matches_sdpa_on_avx512_and_the_avx2_build_declines(cache):
+    """The AVX-512 build's causal attention of fp32 query rows (prefill chunks, a blend's
+    recomputed rows) against torch's SDPA with the causal mask of their positions: one row and one
+    key, ragged row blocks (not a multiple of 8), GQA groups of 1-4, head dims 16-128, rows
+    anywhere among the keys. The AVX2 build has no such kernel: None, and the caller runs SDPA."""
+    from agentmem.engine.kernels.reference import sdpa
+
+    plain, why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, cpu_avx2._AVX2_FLAGS, cpu_avx2._SIGNATURES, cache)
+    assert plain is not None, why
+    x = torch.randn(3, 9, 64)
+    assert cpu_avx2.rows_attention(plain, x, torch.randn(5, 3, 64), torch.randn(5, 3, 64), torch.arange(2, 5)) is None
+    if not cpu_avx2.avx512bw_ok():
+        pytest.skip("the CPU has no AVX-512")
+    lib, why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, cpu_avx2._AVX2_FLAGS + cpu_avx2.AVX512BW_FLAGS,
+                              cpu_avx2._SIGNATURES, cache)
+    assert lib is not None, why
+    g = torch.Generator().manual_seed(7)
+    for nq, t, h, kv, hd in [(1, 1, 9, 3, 64), (7, 20, 9, 3, 64), (33, 100, 4, 4, 16), (50, 300, 8, 2, 128),
+                             (17, 17, 6, 3, 32), (130, 700, 9, 3, 64)]:
+        pos = torch.sort(torch.randperm(t, generator=g)[:nq]).values
+        q, k, v = (torch.randn(n, m, hd, generator=g) for n, m in ((nq, h), (t, kv), (t, kv)))
+        ref = sdpa(q, k, v, torch.arange(t)[None, :] <= pos[:, None])
+        out = cpu_avx2.rows_attention(lib, q, k, v, pos)
+        assert out is not None and out.shape == ref.shape
+        assert (out - ref).abs().max() < 1e-5, (nq, t, h, kv, hd)
+    # shapes it does not take: None, not a wrong answer
+    assert cpu_avx2.rows_attention(lib, torch.randn(2, 4, 24), torch.randn(4, 2, 24), torch.randn(4, 2, 24),
+                                   torch.arange(2, 4)) is None

@@ -975,6 +975,156 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
     free(buf);
     layer_scratch_free(&t);
 }
+
+/* Causal attention of fp32 query rows over a whole fp32 K/V (prefill chunks, CacheBlend's
+   recomputed rows) on AVX-512 (`vnni512` and `avx512bw` builds; the AVX2 build returns 0 and the
+   caller runs torch's SDPA): out[i, h] = softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G]
+   * scale), times V. q/out [Nq, H, hd], qpos int64 [Nq] ascending, k/v [T, KV, hd] at positions
+   0..T-1, hd a multiple of 16 up to 256. K is packed per KV head as [T16/16, hd, 16] (16 keys in
+   the lanes of one vector), so the scores of 16 keys and 8 query rows are 8 accumulators fed by one
+   K load and 8 broadcast FMAs a dim, with no horizontal sums; each task (KV head, query head, 8
+   rows) sees only the keys up to its last row (rows ascend) and takes an exact two-pass softmax in
+   fp32; P V runs 4 rows at a time, each V row loaded once for them. Returns 1 where it ran. */
+#ifdef AGENTMEM_AVX512
+/* P V of `n4` (1-8) rows (p: their softmax numerators, ldp apart; inv: 1 / their sums) over keys
+   0..kmax-1 for ND (1-2, a constant: the accumulators stay in registers) 16-dim vectors of V (v: key
+   0's, keys ldv apart) into out (rows ldo apart). */
+static inline __attribute__((always_inline)) void ra_pv(const float *v, int64_t ldv, const float *p, int64_t ldp,
+                                                        int64_t kmax, const int n4, const float *inv, float *out,
+                                                        int64_t ldo, const int ND) {
+    __m512 o[8][2];
+    for (int r = 0; r < 8; r++)
+        for (int d = 0; d < ND; d++) o[r][d] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kmax; t++) {
+        __m512 vv[2];
+        for (int d = 0; d < ND; d++) vv[d] = _mm512_loadu_ps(v + t * ldv + 16 * d);
+        for (int r = 0; r < n4; r++) {
+            const __m512 pr = _mm512_set1_ps(p[r * ldp + t]);
+            for (int d = 0; d < ND; d++) o[r][d] = _mm512_fmadd_ps(pr, vv[d], o[r][d]);
+        }
+    }
+    for (int r = 0; r < n4; r++) {
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int d = 0; d < ND; d++) _mm512_storeu_ps(out + r * ldo + 16 * d, _mm512_mul_ps(o[r][d], iv));
+    }
+}
+#endif
+
+int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float *k, const float *v, float *out,
+                                int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale, int threads) {
+#ifdef AGENTMEM_AVX512
+    if (Nq <= 0 || T <= 0) return 1;
+    if (hd % 16 || hd > 256 || H % KV) return 0;
+    /* only the keys the last row sees are read */
+    if (qpos[Nq - 1] + 1 < T) T = qpos[Nq - 1] + 1;
+    const int64_t G = H / KV, T16 = (T + 15) / 16 * 16, nblk = T16 / 16, nd = hd / 16;
+    /* the packed K in a buffer kept by the calling thread and grown as needed: a fresh 1.5 MB
+       (2k keys) each call cost its page faults and unmapping at every layer */
+    static __thread float *kpk_buf = NULL;
+    static __thread size_t kpk_cap = 0;
+    const size_t need = (size_t)KV * T16 * hd;
+    if (need > kpk_cap) {
+        free(kpk_buf);
+        kpk_buf = (float *)aligned_alloc(64, need * 4);
+        kpk_cap = kpk_buf ? need : 0;
+        if (!kpk_buf) return 0;
+    }
+    float *kpk = kpk_buf;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < KV * nblk; blk++) {  /* pack K, zero past T: 16 keys x 16 dims at a time */
+        const int64_t kvh = blk / nblk, b = blk % nblk;
+        float *kd = kpk + (kvh * nblk + b) * hd * 16;
+        for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+            float tile[16][16] __attribute__((aligned(64)));
+            for (int64_t t = 0; t < 16; t++) {
+                const int64_t j = b * 16 + t;
+                _mm512_store_ps(tile[t], j < T ? _mm512_loadu_ps(k + (j * KV + kvh) * hd + d0) : _mm512_setzero_ps());
+            }
+            for (int64_t d = 0; d < 16; d++) {
+                const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+                _mm512_store_ps(kd + (d0 + d) * 16, _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)d)), &tile[0][0], 4));
+            }
+        }
+    }
+    const int64_t nb = (Nq + 7) / 8;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *sbuf = (float *)aligned_alloc(64, (size_t)8 * T16 * 4);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < KV * G * nb; task++) {
+            const int64_t rb = nb - 1 - task / (KV * G), kvh = (task % (KV * G)) / G, g = task % G;
+            const int64_t r0 = rb * 8, nr = Nq - r0 < 8 ? Nq - r0 : 8, h = kvh * G + g;
+            int64_t lim[8];
+            const float *qr[8];
+            for (int64_t r = 0; r < 8; r++) {
+                const int64_t i = r0 + (r < nr ? r : nr - 1);
+                lim[r] = qpos[i] + 1 < T ? qpos[i] + 1 : T;
+                qr[r] = q + (i * H + h) * hd;
+            }
+            const int64_t nk = (lim[nr - 1] + 15) / 16 * 16;
+            const float *kh = kpk + kvh * nblk * hd * 16;
+            const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int64_t t0 = 0; t0 < nk; t0 += 32) {  /* scores of 32 keys (16 at the end) for the 8 rows */
+                const int two = t0 + 16 < nk;
+                __m512 a[8], b[8];
+                for (int r = 0; r < 8; r++) a[r] = b[r] = _mm512_setzero_ps();
+                const float *kb = kh + (t0 / 16) * hd * 16;
+                if (two)
+                    for (int64_t d = 0; d < hd; d++) {
+                        const __m512 k0 = _mm512_load_ps(kb + d * 16), k1 = _mm512_load_ps(kb + hd * 16 + d * 16);
+                        for (int r = 0; r < 8; r++) {
+                            const __m512 x = _mm512_set1_ps(qr[r][d]);
+                            a[r] = _mm512_fmadd_ps(x, k0, a[r]);
+                            b[r] = _mm512_fmadd_ps(x, k1, b[r]);
+                        }
+                    }
+                else
+                    for (int64_t d = 0; d < hd; d++) {
+                        const __m512 k0 = _mm512_load_ps(kb + d * 16);
+                        for (int r = 0; r < 8; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k0, a[r]);
+                    }
+                const __m512i kpos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)t0));
+                const __m512i kpos1 = _mm512_add_epi32(kpos, _mm512_set1_epi32(16));
+                for (int r = 0; r < 8; r++) {
+                    const __m512i lr = _mm512_set1_epi32((int)lim[r]);
+                    _mm512_store_ps(sbuf + r * T16 + t0, _mm512_mask_mul_ps(ninf, _mm512_cmplt_epi32_mask(kpos, lr), a[r], sc));
+                    if (two)
+                        _mm512_store_ps(sbuf + r * T16 + t0 + 16,
+                                        _mm512_mask_mul_ps(ninf, _mm512_cmplt_epi32_mask(kpos1, lr), b[r], sc));
+                }
+            }
+            float inv[8];
+            for (int64_t r = 0; r < nr; r++) {  /* softmax numerators in place; 1 / their sum */
+                float *sr = sbuf + r * T16;
+                __m512 mx = ninf;
+                for (int64_t t = 0; t < nk; t += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sr + t));
+                const __m256 m8 = _mm256_set1_ps(_mm512_reduce_max_ps(mx));
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t t = 0; t < nk; t += 8) {
+                    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sr + t), m8));
+                    _mm256_store_ps(sr + t, e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                inv[r] = 1.0f / hsum8(acc);
+            }
+            for (int64_t d0 = 0; d0 < nd; d0 += 2) {  /* P V, the 8 rows and 32 dims a pass over V */
+                const float *vb = v + kvh * hd + 16 * d0;
+                float *ob = out + r0 * H * hd + h * hd + 16 * d0;
+                if (nd - d0 >= 2 && nr == 8) ra_pv(vb, KV * hd, sbuf, T16, lim[7], 8, inv, ob, H * hd, 2);
+                else if (nd - d0 >= 2) ra_pv(vb, KV * hd, sbuf, T16, lim[nr - 1], (int)nr, inv, ob, H * hd, 2);
+                else ra_pv(vb, KV * hd, sbuf, T16, lim[nr - 1], (int)nr, inv, ob, H * hd, 1);
+            }
+        }
+        free(sbuf);
+    }
+    return 1;
+#else
+    (void)q; (void)qpos; (void)k; (void)v; (void)out; (void)Nq; (void)H; (void)KV; (void)hd; (void)T;
+    (void)scale; (void)threads;
+    return 0;
+#endif
+}
 """.replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C).replace("@Q4_VNNI@", cpu_gemv.Q4_VNNI_C)
 
 # -ffp-contract=off: no product and sum merged into an FMA behind the code's back, so that an inlined
@@ -1015,6 +1165,7 @@ _SIGNATURES = {
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_decode_attn_f16kv": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_silu_mul_f32": [_P, _I, _P, _I, _I],
+    "agentmem_avx2_rows_attn_f32": ([_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32], ctypes.c_int),
     "agentmem_avx2_layers_q8": [_P, _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I32, _P, _P, _P, _I,
                                 ctypes.c_float] + [_I] * 6 + [_I32, _I32],
     "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 7 + [_I32] + [_P] * 3 + [_I, ctypes.c_float]
@@ -1172,6 +1323,39 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
                          f"{k_pool.dtype}/{v_pool.dtype}")
     fn = lib.agentmem_avx2_decode_attn_f16kv if k_pool.dtype == torch.float16 else lib.agentmem_avx2_decode_attn_f32
     return cpu_gemv.attend_pool(fn, q, k_pool, v_pool, idx, keep, scale)
+
+
+ROWS_MIN = 8  # fewer rows go to SDPA: the kernel computes 8 rows a task whatever their number
+
+
+def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
+    """The loaded library where `rows_attention` takes these rows: fp32 CPU tensors, a library
+    built with the AVX-512 tiles (`wide_tile`), a head dim it takes. AGENTMEM_ATTN_KERNEL=off
+    leaves them to torch's SDPA, as it does bf16 rows."""
+    if (q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3 or k.dim() != 3 or q.shape[0] < ROWS_MIN
+            or q.shape[2] % 16 or q.shape[2] > 256 or os.environ.get("AGENTMEM_ATTN_KERNEL") == "off"):
+        return None
+    lib = _lib
+    return lib if lib is not None and "-DAGENTMEM_AVX512" in _FLAGS else None
+
+
+def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   q_pos: torch.Tensor, scale: float | None = None) -> torch.Tensor | None:
+    """Causal attention of fp32 query rows q [Nq, H, hd] at ascending positions `q_pos` over k/v
+    [T, KV, hd] at 0..T-1 (`agentmem_avx2_rows_attn_f32`): [Nq, H, hd] fp32, or None where this
+    library has no such kernel (the AVX2 build) or the shapes are not its (the caller runs SDPA)."""
+    nq, h, hd = q.shape
+    t, kv = k.shape[0], k.shape[1]
+    if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32
+            or k.shape != v.shape or k.shape[2] != hd or h % kv or hd % 16 or hd > 256 or q_pos.shape != (nq,)):
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pos = q_pos.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    done = lib.agentmem_avx2_rows_attn_f32(q.data_ptr(), pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                           nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale,
+                                           torch.get_num_threads())
+    return out if done else None
 
 
 def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
