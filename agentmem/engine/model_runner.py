@@ -19,6 +19,13 @@ from .model import Transformer
 from .scheduler import Scheduled
 from .sequence import Sequence
 
+# Keys up to which a prompt chunk of fp32 rows takes cpu_avx2's rows kernel (on an AVX-512 CPU
+# without bf16) rather than torch's SDPA. Session 42, Skylake-SP VM, 512-row chunks of a 2,048-token
+# prompt, ms a layer, SDPA against the kernel, alternated: keys 512 5.7 / 3.6, 1,024 14.1 / 13.0,
+# 1,536 20.9 / 17.9, 2,048 28.5 / 29.9 (SDPA's flash kernel on a dense causal chunk catches up);
+# a 350-token prompt 4.1 / 1.8.
+FP32_ROWS_KERNEL_MAX_KEYS = 1536
+
 
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None
                  ) -> torch.Tensor:
@@ -27,9 +34,9 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     n = q.shape[0]
     if window is None and (out := cpu_gemv.rows_attend(q, k, v, torch.arange(start, start + n))) is not None:
         return out
-    if window is None and (lib := cpu_avx2.rows_kernel(q, k)) is not None and \
-            (out := cpu_avx2.rows_attention(lib, q, k, v, torch.arange(start, start + n))) is not None:
-        return out  # fp32 rows on an AVX-512 CPU without bf16 (session 42: a 2,048-token prefill's chunks 48.9 -> 45.6 ms a layer)
+    if window is None and start + n <= FP32_ROWS_KERNEL_MAX_KEYS and (lib := cpu_avx2.rows_kernel(q, k)) is not None \
+            and (out := cpu_avx2.rows_attention(lib, q, k, v, torch.arange(start, start + n))) is not None:
+        return out  # fp32 rows on an AVX-512 CPU without bf16
     if cpu_gemv.widen_rows(q, k):  # this machine runs fp32 SDPA faster than its bf16 ways
         return sdpa_chunk(q.float(), k.float(), v.float(), start, window).to(q.dtype)
     return sdpa_chunk(q, k, v, start, window)
