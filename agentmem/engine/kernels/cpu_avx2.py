@@ -269,41 +269,15 @@ static void quantize8(const float *xr, int64_t K, int8_t *q, float *xs, float *x
 #define Q4_ROWS 8
 #define Q4_AHEAD AHEAD  /* this library's products fetch AHEAD into L1 (8 KB into L2 measured 2-6% slower here) */
 #define Q4_HINT _MM_HINT_T0
-#ifdef AGENTMEM_VNNI512
-@Q4_VNNI@
-#else
-static inline __attribute__((always_inline)) void q4_tile_sums(const uint8_t *wg, const uint16_t *dmg, int64_t K,
-                                                               const int8_t *x, int64_t ldx, const int mb,
-                                                               const float *xs, const float *xsum, __m512 *f) {
-    const int64_t nb = K / Q8_BLOCK, ng = K / Q4_GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
-    for (int i = 0; i < mb; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t k0 = 0, g = 0; k0 < K; k0 += Q4_GROUP, g++) {
-        __m512i acc[8];
-        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k0 + Q4_GROUP; k += 8) {
-            const uint8_t *p = wg + 8 * k;
-            _mm_prefetch((const char *)p + Q4_AHEAD, Q4_HINT);
-            const __m512i v = _mm512_loadu_si512(p);
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int i = 0; i < mb; i++) {
-                int32_t q0, q1;
-                memcpy(&q0, x + i * ldx + k, 4);
-                memcpy(&q1, x + i * ldx + k + 4, 4);
-                acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(q0)));
-                acc[i] = _mm512_add_epi16(acc[i], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(q1)));
-            }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
-        for (int i = 0; i < mb; i++) {
-            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(acc[i], ones)),
-                                            _mm512_set1_ps(xs[i * nb + k0 / Q8_BLOCK]));
-            f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(sx, d, f[i]));
-        }
-    }
-}
+#ifndef AGENTMEM_VNNI512  /* the group loop's step without VNNI: the AVX2 tile's int16 pair sums */
+#define Q4_TARGET
+#define Q4_STEP(acc, lo, hi, x0, x1) do { \
+        acc = _mm512_add_epi16(acc, _mm512_maddubs_epi16(lo, x0)); \
+        acc = _mm512_add_epi16(acc, _mm512_maddubs_epi16(hi, x1)); \
+    } while (0)
+#define Q4_WIDEN(acc) _mm512_madd_epi16(acc, _mm512_set1_epi16(1))
 #endif
+@Q4_VNNI@
 static inline __attribute__((always_inline)) void tile_q4(const uint8_t *wg, const uint16_t *dmg, int64_t K,
                                                           const int8_t *x, const int mb, float *y, int64_t N,
                                                           int64_t n, const float *xs, const float *xsum,

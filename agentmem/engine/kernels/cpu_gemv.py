@@ -96,12 +96,19 @@ Q4_VNNI_C = r"""#ifndef Q4_GROUP
 #define Q4_HINT _MM_HINT_T1
 #endif
 #define Q4_DPBUSD(acc, u, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(x))
+#ifndef Q4_STEP  /* a step's products (8 inputs of a row into acc) and a group's widening to int32 */
+#define Q4_TARGET __attribute__((target("avx512vnni")))
+#define Q4_STEP(acc, lo, hi, x0, x1) do { Q4_DPBUSD(acc, lo, x0); Q4_DPBUSD(acc, hi, x1); } while (0)
+#define Q4_WIDEN(acc) (acc)
+#endif
 
 /* f[i] (1 <= mb <= 8) = sum over groups of d S + m X for int8 row i (x, rows ldx apart; xs its
    steps per Q4_XBLOCK, xsum its group sums) and the 16 outputs of `wg` ([K/8][16][4] bytes: a
    32-bit lane holds one output's inputs k..k+3 in its low nibbles, k+4..k+7 in its high ones)
-   with `dmg` ([K/Q4_GROUP][2][16] fp16). q (0..15) is `vpdpbusd`'s unsigned operand as it is. */
-__attribute__((target("avx512vnni")))
+   with `dmg` ([K/Q4_GROUP][2][16] fp16). q (0..15) is `vpdpbusd`'s unsigned operand as it is (an
+   includer without VNNI defines Q4_STEP, Q4_WIDEN and Q4_TARGET its own way: cpu_avx2's
+   `avx512bw` build). */
+Q4_TARGET
 static inline __attribute__((always_inline)) void q4_tile_sums(const uint8_t *wg, const uint16_t *dmg, int64_t K,
                                                                const int8_t *x, int64_t ldx, const int mb,
                                                                const float *xs, const float *xsum, __m512 *f) {
@@ -120,14 +127,13 @@ static inline __attribute__((always_inline)) void q4_tile_sums(const uint8_t *wg
                 int32_t q0, q1;
                 memcpy(&q0, x + i * ldx + k, 4);
                 memcpy(&q1, x + i * ldx + k + 4, 4);
-                Q4_DPBUSD(acc[i], lo, _mm512_set1_epi32(q0));
-                Q4_DPBUSD(acc[i], hi, _mm512_set1_epi32(q1));
+                Q4_STEP(acc[i], lo, hi, _mm512_set1_epi32(q0), _mm512_set1_epi32(q1));
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dmg + g * 32 + 16)));
         for (int i = 0; i < mb; i++) {
-            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xs[i * nb + k0 / Q4_XBLOCK]));
+            const __m512 sx = _mm512_mul_ps(_mm512_cvtepi32_ps(Q4_WIDEN(acc[i])), _mm512_set1_ps(xs[i * nb + k0 / Q4_XBLOCK]));
             f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * ng + g]), _mm512_fmadd_ps(sx, d, f[i]));
         }
     }
