@@ -955,10 +955,11 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
    caller runs torch's SDPA): out[i, h] = softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G]
    * scale), times V. q/out [Nq, H, hd], qpos int64 [Nq] ascending, k/v [T, KV, hd] at positions
    0..T-1, hd a multiple of 16 up to 256. K is packed per KV head as [T16/16, hd, 16] (16 keys in
-   the lanes of one vector), so the scores of 16 keys and 8 query rows are 8 accumulators fed by one
-   K load and 8 broadcast FMAs a dim, with no horizontal sums; each task (KV head, query head, 8
+   the lanes of one vector), so the scores of 32 keys and 8 query rows are 16 accumulators fed by two
+   K loads and 8 broadcast FMAs a dim, with no horizontal sums; each task (KV head, query head, 8
    rows) sees only the keys up to its last row (rows ascend) and takes an exact two-pass softmax in
-   fp32; P V runs 4 rows at a time, each V row loaded once for them. Returns 1 where it ran. */
+   fp32; P V runs the 8 rows and 32 dims a pass over V, each V row loaded once for them. Returns 1
+   where it ran. */
 #ifdef AGENTMEM_AVX512
 /* P V of `n4` (1-8) rows (p: their softmax numerators, ldp apart; inv: 1 / their sums) over keys
    0..kmax-1 for ND (1-2, a constant: the accumulators stay in registers) 16-dim vectors of V (v: key
@@ -1309,7 +1310,7 @@ def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
     if (q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3 or k.dim() != 3 or q.shape[0] < ROWS_MIN
             or q.shape[2] % 16 or q.shape[2] > 256 or os.environ.get("AGENTMEM_ATTN_KERNEL") == "off"):
         return None
-    lib = _lib
+    lib = loaded()
     return lib if lib is not None and "-DAGENTMEM_AVX512" in _FLAGS else None
 
 
