@@ -358,7 +358,7 @@ def _assert_causal(out, q, k, v, pos) -> torch.Tensor:
     no worse on average than torch's bf16 SDPA; returns the reference."""
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     ref = _causal_reference(q, k, v, pos)
-    # fp32 scores and softmax, the weights as two bf16 each: the bf16 output's rounding is the error
+    # fp32 scores and softmax, the weights rounded to bf16 (or two bf16 each): the error is the bf16 roundings'
     assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
     from agentmem.engine.kernels.reference import sdpa
     torch_bf16 = sdpa(q, k, v, torch.arange(k.shape[0])[None, :] <= pos[:, None]).float()
@@ -371,10 +371,31 @@ def _assert_causal(out, q, k, v, pos) -> torch.Tensor:
     (17, 5, 4, 4, 32, "scattered"), (1, 1, 2, 1, 64, "prefill"), (515, 256, 6, 2, 64, "scattered")])
 def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, how):
     """Prefill chunks (rows start..end-1) and CacheBlend's recomputed rows (any ascending
-    positions) over keys of any length (not a multiple of 16), with and without GQA."""
+    positions) over keys of any length (not a multiple of 16), with and without GQA; the
+    weights as one bf16 each (the default) and as hi + lo (AGENTMEM_ATTN_P=split), which is
+    closer still to the fp32 softmax."""
     q, k, v, pos = _rows_case(keys, rows, heads, kv, hd, how, keys * rows + hd)
     out = cpu_gemv.rows_attention(lib, q, k, v, pos)
-    _assert_causal(out, q, k, v, pos)
+    ref = _assert_causal(out, q, k, v, pos)
+    split = cpu_gemv.rows_attention(lib, q, k, v, pos, split=True)
+    _assert_causal(split, q, k, v, pos)
+    if keys > 1:  # one key: both exact
+        assert (split.float() - ref).abs().mean() < 0.95 * (out.float() - ref).abs().mean()
+
+
+def test_rows_attention_p_setting(lib, monkeypatch):
+    """AGENTMEM_ATTN_P picks the weights' form when the call does not: bf16 by default, split
+    gives the hi + lo bits; anything else is refused with the setting's name."""
+    q, k, v, pos = _rows_case(300, 100, 9, 3, 64, "chunk", 5)
+    one, two = (cpu_gemv.rows_attention(lib, q, k, v, pos, split=s) for s in (False, True))
+    assert not torch.equal(one, two)
+    monkeypatch.delenv("AGENTMEM_ATTN_P", raising=False)
+    assert torch.equal(cpu_gemv.rows_attention(lib, q, k, v, pos), one)
+    monkeypatch.setenv("AGENTMEM_ATTN_P", "split")
+    assert torch.equal(cpu_gemv.rows_attention(lib, q, k, v, pos), two)
+    monkeypatch.setenv("AGENTMEM_ATTN_P", "fp16")
+    with pytest.raises(ValueError, match="AGENTMEM_ATTN_P"):
+        cpu_gemv.rows_attention(lib, q, k, v, pos)
 
 
 @pytest.mark.parametrize("keys,rows,heads,kv", [(2048, 40, 9, 3), (37, 1, 4, 4), (300, 7, 8, 2)])
@@ -813,7 +834,7 @@ def test_rows_attention_amx_matches_causal_softmax(amx_lib, keys, rows, heads, k
     q, k, v, pos = _rows_case(keys, rows, heads, kv, hd, how, keys * rows + hd + 1)
     out = cpu_gemv.rows_attention_amx(amx_lib, q, k, v, pos)
     ref = _assert_causal(out, q, k, v, pos)
-    old = cpu_gemv.rows_attention(amx_lib, q, k, v, pos).float()
+    old = cpu_gemv.rows_attention(amx_lib, q, k, v, pos, split=True).float()
     assert (out.float() - ref).abs().mean() <= 1.1 * (old - ref).abs().mean() + 1e-6
 
 

@@ -163,17 +163,34 @@ def test_rerotated_k_equals_k_computed_at_the_new_positions(engine):
     assert (ref.view(n, raw.shape[0], *raw.shape[2:]).transpose(0, 1) - moved).abs().max().item() < 1e-5
 
 
-def test_blocked_selected_attention_equals_the_reference():
+def test_blocked_selected_attention_equals_the_reference(monkeypatch):
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")  # the grouped SDPA path, not cpu_avx2's AVX-512 kernel
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(300, 3, 16, generator=g), torch.randn(300, 3, 16, generator=g)
     rows = torch.randperm(300, generator=g)[:200].sort().values
     q = torch.randn(200, 9, 16, generator=g)
     ref = selected_attention_ref(q, k, v, rows, torch.arange(300))
-    for blocks in (1, 5):  # the grouped layout and the per-block masks, built once, reused
+    for blocks in (1, 5):  # the grouped layout and the per-block masks, built at the first call, reused
         attend = RowAttention(rows, 300, group=3, dtype=torch.float32, blocks=blocks)
-        assert len(attend.parts) == blocks
+        assert attend.parts == []
         for _ in range(2):
             assert (attend(q, k, v) - ref).abs().max().item() < 1e-5
+            assert len(attend.parts) == blocks
+
+
+def test_row_attention_plans_no_sdpa_blocks_where_the_fp32_kernel_takes_the_rows():
+    from agentmem.engine.kernels import cpu_avx2
+
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    rows = torch.randperm(300, generator=g)[:64].sort().values
+    q = torch.randn(64, 9, 64, generator=g)
+    if cpu_avx2.rows_kernel(q, k) is None:
+        pytest.skip("no fp32 rows kernel here (cpu_avx2's AVX-512 build)")
+    attend = RowAttention(rows, 300, group=3, dtype=torch.float32)
+    out = attend(q, k, v)
+    assert (out - selected_attention_ref(q, k, v, rows, torch.arange(300))).abs().max().item() < 1e-4
+    assert attend.parts == [] and not attend.planned
 
 
 def test_probe_attention_equals_the_reference_and_shares_what_values_add():

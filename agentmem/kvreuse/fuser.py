@@ -212,11 +212,13 @@ class RowAttention:
         # cpu_gemv.rows_attention, where it takes the rows' tensors (bf16 on an AVX512-BF16 CPU)
         self.kernel = dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
         self.widen = False
-        if not (q_pos.is_cuda or self.kernel):
-            self._plan(group, dtype)
+        # the grouped SDPA blocks are planned at the first call no kernel takes (fp32 rows on
+        # cpu_avx2's AVX-512 kernel never need them), once
+        self.planned = q_pos.is_cuda
 
     def _plan(self, group: int, dtype: torch.dtype) -> None:
         """The CPU row blocks and their masks (the grouped SDPA path)."""
+        self.planned = True
         n = len(self.q_pos)
         blocks = max(1, min(self.blocks, n // 32))
         cuts = [round(n * i / blocks) for i in range(blocks + 1)]
@@ -238,6 +240,8 @@ class RowAttention:
             self.kernel = False
             self.widen = cpu_gemv.widen_rows(q, k)  # in fp32 where this machine runs that faster
             self._plan(q.shape[1] // k.shape[1], torch.float32 if self.widen else q.dtype)
+        elif not self.planned:
+            self._plan(q.shape[1] // k.shape[1], q.dtype)
         if self.widen and q.dtype != torch.float32:
             return self(q.float(), k.float(), v.float()).to(q.dtype)
         if not self.parts:

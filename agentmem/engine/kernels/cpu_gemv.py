@@ -939,9 +939,32 @@ void agentmem_decode_attn_bf16(const uint16_t *q, const uint16_t *kp, const uint
    selection signal, which otherwise materialises every weight in torch). */
 #define ROWS 8
 #define PV_ROWS 4
+
+/* e[w][d] += sum over key pairs t2 < n2 of row w's weights (ph: bf16 pairs; with `split`, plus
+   pl, the rest of each weight) times V's pairs vh [T2][ldv] (uint32: two keys of one dim), for
+   16 * nd dims. A constant `split` at the call compiles each case without a branch. */
+static inline __attribute__((always_inline)) void ra_pv_bf16(const uint32_t *vh, int64_t ldv, int64_t nd, int64_t n2,
+                                                             const uint32_t *const *ph, const uint32_t *const *pl,
+                                                             const int split, __m512 e[][4]) {
+    for (int64_t t2 = 0; t2 < n2; t2++) {
+        __m512bh a[PV_ROWS], al[PV_ROWS];
+        for (int w = 0; w < PV_ROWS; w++) {
+            a[w] = (__m512bh)_mm512_set1_epi32((int)ph[w][t2]);
+            if (split) al[w] = (__m512bh)_mm512_set1_epi32((int)pl[w][t2]);
+        }
+        const uint32_t *v0 = vh + t2 * ldv;
+        for (int d = 0; d < nd; d++) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512(v0 + 16 * d);
+            for (int w = 0; w < PV_ROWS; w++) {
+                e[w][d] = _mm512_dpbf16_ps(e[w][d], a[w], vv);
+                if (split) e[w][d] = _mm512_dpbf16_ps(e[w][d], al[w], vv);
+            }
+        }
+    }
+}
 void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint16_t *k, const uint16_t *v,
                              uint16_t *out, int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale,
-                             int threads, float *share) {
+                             int threads, float *share, int split) {
     if (Nq <= 0 || T <= 0) return;
     const int64_t G = H / KV, np = hd / 2, T16 = (T + 15) / 16 * 16, T2 = T16 / 2;
     uint32_t *kpk = (uint32_t *)aligned_alloc(64, (size_t)KV * T16 * np * 4);
@@ -982,7 +1005,7 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
     {
         float *sbuf = (float *)aligned_alloc(64, (size_t)ROWS * T16 * 4);
         uint32_t *pbuf = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
-        uint32_t *plo = (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4);
+        uint32_t *plo = split ? (uint32_t *)aligned_alloc(64, (size_t)ROWS * T2 * 4) : NULL;
         float *acc_t = share ? (float *)calloc((size_t)T16, 4) : NULL;  /* this thread's part of `share` */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < KV * G * nb; task++) {
@@ -1022,16 +1045,18 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                 for (int64_t t = 0; t < n16; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(sr + t));
                 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
                 __m512 acc = _mm512_setzero_ps();
-                uint32_t *pr = pbuf + r * T2, *pl = plo + r * T2;
+                uint32_t *pr = pbuf + r * T2, *pl = split ? plo + r * T2 : NULL;
                 for (int64_t t = 0; t < n16; t += 16) {
                     __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sr + t), mv));
                     acc = _mm512_add_ps(acc, e);
                     if (share) _mm512_store_ps(sr + t, e);
-                    /* e as hi + lo, both bf16 (16 bf16 = 8 key pairs): P V keeps ~16 bits of each weight */
+                    /* e in bf16 (16 bf16 = 8 key pairs); with `split` as hi + lo, both bf16: ~16 bits */
                     __m256bh hi = _mm512_cvtneps_pbh(e);
-                    __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_cvtpbh_ps(hi)));
                     _mm256_storeu_si256((__m256i *)(pr + t / 2), (__m256i)hi);
-                    _mm256_storeu_si256((__m256i *)(pl + t / 2), (__m256i)lo);
+                    if (split) {
+                        __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_cvtpbh_ps(hi)));
+                        _mm256_storeu_si256((__m256i *)(pl + t / 2), (__m256i)lo);
+                    }
                 }
                 inv[r] = 1.0f / _mm512_reduce_add_ps(acc);
                 if (share) {  /* weight x |v| of each key this row sees */
@@ -1051,29 +1076,20 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                     const int64_t rw = r + (w < m ? w : m - 1), own = (lim[rw] + 15) / 16 * 8;
                     if (own < n2) {  /* a row's weights past its own keys are 0 */
                         memset(pbuf + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
-                        memset(plo + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
+                        if (split) memset(plo + rw * T2 + own, 0, (size_t)(n2 - own) * 4);
                     }
                     ph[w] = pbuf + rw * T2;
-                    pl[w] = plo + rw * T2;
+                    pl[w] = split ? plo + rw * T2 : NULL;
                 }
                 for (int64_t d0 = 0; d0 < hd; d0 += 64) {
                     const int64_t nd = hd - d0 < 64 ? (hd - d0) / 16 : 4;
                     __m512 e[PV_ROWS][4];
                     for (int w = 0; w < PV_ROWS; w++)
                         for (int d = 0; d < 4; d++) e[w][d] = _mm512_setzero_ps();
-                    for (int64_t t2 = 0; t2 < n2; t2++) {
-                        __m512bh a[PV_ROWS], al[PV_ROWS];
-                        for (int w = 0; w < PV_ROWS; w++) {
-                            a[w] = (__m512bh)_mm512_set1_epi32((int)ph[w][t2]);
-                            al[w] = (__m512bh)_mm512_set1_epi32((int)pl[w][t2]);
-                        }
-                        const uint32_t *v0 = vh + t2 * hd + d0;
-                        for (int d = 0; d < nd; d++) {
-                            const __m512bh vv = (__m512bh)_mm512_loadu_si512(v0 + 16 * d);
-                            for (int w = 0; w < PV_ROWS; w++)
-                                e[w][d] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(e[w][d], a[w], vv), al[w], vv);
-                        }
-                    }
+                    if (split)
+                        ra_pv_bf16(vh + d0, hd, nd, n2, ph, pl, 1, e);
+                    else
+                        ra_pv_bf16(vh + d0, hd, nd, n2, ph, pl, 0, e);
                     for (int w = 0; w < m; w++) {
                         const __m512 iv = _mm512_set1_ps(inv[r + w]);
                         uint16_t *o = out + ((r0 + r + w) * H + h) * hd + d0;
@@ -1684,7 +1700,7 @@ _SIGNATURES = {  # the library's functions and their arguments
     "agentmem_rms_norm_bf16": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_rope_bf16": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_decode_attn_bf16": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
-    "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P],
+    "agentmem_rows_attn_bf16": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P, _I32],
     "agentmem_rows_attn_amx": [_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_amx_ok": ([], _I32),
     "agentmem_drift_bf16": [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I],
@@ -2438,8 +2454,18 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
     return route
 
 
+def p_split() -> bool:
+    """Whether `rows_attention` multiplies V by each softmax weight as two bf16 (hi + lo, ~16 bits:
+    AGENTMEM_ATTN_P=split) or as one (bf16, the default), as flash attention does on GPUs."""
+    mode = os.environ.get("AGENTMEM_ATTN_P", "bf16")
+    if mode not in ("bf16", "split"):
+        raise ValueError(f"AGENTMEM_ATTN_P must be bf16 or split, got {mode!r}")
+    return mode == "split"
+
+
 def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                   scale: float | None = None, share: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float | None = None, share: torch.Tensor | None = None,
+                   split: bool | None = None) -> torch.Tensor:
     """Causal attention of query rows q [Nq, H, hd] at ascending positions `q_pos` [Nq] over
     keys k/v [T, KV, hd] at positions 0..T-1 (a query sees the keys at or before its own
     position): a prefill chunk (q_pos = start..start+n-1) or CacheBlend's recomputed rows.
@@ -2460,7 +2486,7 @@ def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.
     out = torch.empty_like(q)
     lib.agentmem_rows_attn_bf16(q.data_ptr(), q_pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                 nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale, torch.get_num_threads(),
-                                None if share is None else share.data_ptr())
+                                None if share is None else share.data_ptr(), int(p_split() if split is None else split))
     return out
 
 
