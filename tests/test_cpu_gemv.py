@@ -439,12 +439,12 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "on")
     fast = attend_chunk(q, k[:200], v[:200], 152)
     rows = torch.tensor(sorted(torch.randperm(200, generator=g)[:48].tolist()))
-    blend = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    blend = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert calls == [1, 1]
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
     assert cpu_gemv.rows_kernel(q, k) is None
     slow = attend_chunk(q, k[:200], v[:200], 152)
-    blend_slow = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    blend_slow = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert calls == [1, 1]
     assert (fast.float() - slow.float()).abs().max() < 3e-2
     assert (blend.float() - blend_slow.float()).abs().max() < 3e-2
@@ -453,7 +453,7 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     assert cpu_gemv.rows_kernel(q, k) is None and cpu_gemv.widen_rows(q, k)
     assert not cpu_gemv.widen_rows(q.float(), k.float())
     wide = attend_chunk(q, k[:200], v[:200], 152)
-    blend_wide = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    blend_wide = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert calls == [1, 1] and wide.dtype == blend_wide.dtype == torch.bfloat16
     assert (fast.float() - wide.float()).abs().max() < 3e-2
     assert (blend.float() - blend_wide.float()).abs().max() < 3e-2
@@ -467,7 +467,7 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     monkeypatch.setattr(cpu_gemv, "rows_attention_amx", lambda *a, **kw: amx_calls.append(1) or real_amx(*a, **kw))
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "amx")
     tiles = attend_chunk(q, k[:200], v[:200], 152)
-    blend_tiles = RowAttention(rows, 200, 3, torch.bfloat16)(q, k, v)
+    blend_tiles = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert amx_calls == [1, 1] and calls == [1, 1]
     assert cpu_gemv.rows_attend(q, k, v, rows, share=torch.zeros(200)) is None and amx_calls == [1, 1]
     assert (fast.float() - tiles.float()).abs().max() < 3e-2

@@ -171,7 +171,7 @@ def test_blocked_selected_attention_equals_the_reference(monkeypatch):
     q = torch.randn(200, 9, 16, generator=g)
     ref = selected_attention_ref(q, k, v, rows, torch.arange(300))
     for blocks in (1, 5):  # the grouped layout and the per-block masks, built at the first call, reused
-        attend = RowAttention(rows, 300, group=3, dtype=torch.float32, blocks=blocks)
+        attend = RowAttention(rows, 300, dtype=torch.float32, blocks=blocks)
         assert attend.parts == []
         for _ in range(2):
             assert (attend(q, k, v) - ref).abs().max().item() < 1e-5
@@ -187,10 +187,10 @@ def test_row_attention_plans_no_sdpa_blocks_where_the_fp32_kernel_takes_the_rows
     q = torch.randn(64, 9, 64, generator=g)
     if cpu_avx2.rows_kernel(q, k) is None:
         pytest.skip("no fp32 rows kernel here (cpu_avx2's AVX-512 build)")
-    attend = RowAttention(rows, 300, group=3, dtype=torch.float32)
+    attend = RowAttention(rows, 300, dtype=torch.float32)
     out = attend(q, k, v)
     assert (out - selected_attention_ref(q, k, v, rows, torch.arange(300))).abs().max().item() < 1e-4
-    assert attend.parts == [] and not attend.planned
+    assert attend.parts == []  # no SDPA blocks planned
 
 
 def test_probe_attention_equals_the_reference_and_shares_what_values_add():

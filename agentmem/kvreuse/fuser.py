@@ -202,7 +202,7 @@ class RowAttention:
     (`cpu_gemv.rows_attention`) takes the rows: scores and P V on vdpbf16ps, masked keys
     skipped per block of 8 rows; on the blend benchmark's shapes ~3x faster than SDPA."""
 
-    def __init__(self, q_pos: torch.Tensor, n_keys: int, group: int, dtype: torch.dtype, blocks: int = 4,
+    def __init__(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype, blocks: int = 4,
                  window: int | None = None):
         self.q_pos = q_pos
         self.blocks = blocks
@@ -212,13 +212,11 @@ class RowAttention:
         # cpu_gemv.rows_attention, where it takes the rows' tensors (bf16 on an AVX512-BF16 CPU)
         self.kernel = dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
         self.widen = False
-        # the grouped SDPA blocks are planned at the first call no kernel takes (fp32 rows on
-        # cpu_avx2's AVX-512 kernel never need them), once
-        self.planned = q_pos.is_cuda
+        # the grouped SDPA blocks (`parts`) are planned at the first CPU call no kernel takes
+        # (fp32 rows on cpu_avx2's AVX-512 kernel never need them), once
 
     def _plan(self, group: int, dtype: torch.dtype) -> None:
         """The CPU row blocks and their masks (the grouped SDPA path)."""
-        self.planned = True
         n = len(self.q_pos)
         blocks = max(1, min(self.blocks, n // 32))
         cuts = [round(n * i / blocks) for i in range(blocks + 1)]
@@ -240,7 +238,7 @@ class RowAttention:
             self.kernel = False
             self.widen = cpu_gemv.widen_rows(q, k)  # in fp32 where this machine runs that faster
             self._plan(q.shape[1] // k.shape[1], torch.float32 if self.widen else q.dtype)
-        elif not self.planned:
+        elif not self.parts and not q.is_cuda:
             self._plan(q.shape[1] // k.shape[1], q.dtype)
         if self.widen and q.dtype != torch.float32:
             return self(q.float(), k.float(), v.float()).to(q.dtype)
@@ -580,13 +578,12 @@ def _fuse(
     new_k_raw = (torch.empty(a.n_layers, len(new_idx), a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
                  if keep_raw else None)
     new_rows = torch.searchsorted(rows, new_idx)
-    group = a.n_heads // a.n_kv_heads
 
     def row_tables(rows, start) -> tuple[tuple[torch.Tensor, torch.Tensor], RowAttention | None]:
         """What every layer reuses while the rows stay the same: their RoPE tables, and the
         attention plan when they are not one contiguous run."""
         return model.rotary.cos_sin(rows), (None if start is not None
-                                            else RowAttention(rows, n_tok, group, dtype, window=a.sliding_window))
+                                            else RowAttention(rows, n_tok, dtype, window=a.sliding_window))
 
     cos_sin, row_attn = row_tables(rows, start)
     lap("select")
