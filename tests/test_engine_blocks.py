@@ -197,3 +197,52 @@ def test_the_runners_key_slot_tensor_is_the_per_key_list():
         want = runner._key_slots(seqs, lens, width)
         got = runner._key_slots_tensor(seqs, lens, width)
         assert got.dtype == torch.long and got.tolist() == want, lens
+
+
+def test_the_kept_key_slots_follow_growth_and_changed_tables():
+    """The slots a decode step reads, kept on each sequence (`BlockManager.key_slots`) and grown
+    a position at a time, equal `slots(seq, 0, n)` as the sequence grows a token at a time, jumps
+    by a prompt, is cut back, and has a block of its table replaced under the kept slots (copy on
+    write, a preempted sequence given new blocks); the runner's padded rows from them equal its
+    per-key list; a position past the table is refused."""
+    import random
+
+    import torch
+
+    from agentmem.engine.model_runner import ModelRunner
+
+    rng = random.Random(5)
+    bm = BlockManager(num_blocks=512, block_size=16)
+    s = seq(range(4))
+    s.block_table = rng.sample(range(512), 40)
+    for n in [1, 2, 3, 15, 16, 17, 300, 301, 302, 40, 41, 303, 640]:
+        assert bm.key_slots(s, n).tolist() == bm.slots(s, 0, n), n
+    s.block_table[3] = 511 if s.block_table[3] != 511 else 510  # under the kept slots
+    assert bm.key_slots(s, 640).tolist() == bm.slots(s, 0, 640)
+    s.block_table = rng.sample(range(512), 40)  # a new table altogether
+    assert bm.key_slots(s, 100).tolist() == bm.slots(s, 0, 100)
+    with pytest.raises(ValueError, match="no slot for position 640"):
+        bm.key_slots(s, 641)
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.blocks = torch.device("cpu"), bm
+    seqs, lens = [], [17, 300, 1, 64]
+    for n in lens:
+        t = seq(range(4))
+        t.block_table = rng.sample(range(512), -(-n // 16) + rng.randint(0, 2))
+        seqs.append(t)
+    for grow in range(3):  # three steps: each row one key longer
+        now = [n + grow for n in lens]
+        for t, n in zip(seqs, now, strict=True):
+            while len(t.block_table) * 16 < n:
+                t.block_table.append(rng.randrange(512))
+        assert runner._key_slots_kept(seqs, now, max(now)).tolist() == runner._key_slots(seqs, now, max(now))
+    one = runner._key_slots_kept(seqs[:1], [lens[0] + 2], lens[0] + 2)
+    assert one.tolist() == bm.slots(seqs[0], 0, lens[0] + 2)
+    assert not np_shares(one, seqs[0].key_slots.buf)  # a step's array is its own
+
+
+def np_shares(a, b) -> bool:
+    import numpy as np
+
+    return bool(np.shares_memory(a, b))

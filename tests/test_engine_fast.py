@@ -515,3 +515,24 @@ def test_an_fp32_engine_on_the_avx2_kernels_keeps_its_kv_in_fp16(tmp_path_factor
         load(path, dtype="float32", weights="int8", kv_dtype="bfloat16")
     with pytest.raises(ValueError, match="kv_dtype"):
         load(path, dtype="float32", weights="int8", kv_dtype="half")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_bf16_rows_give_their_fp32_sums_where_asked(fmt):
+    """`Proj.multiply(x, torch.float32)` on the engine's own bf16-row kernels (the LM head's
+    logits) returns the product's fp32 sums: the bf16 result is exactly those sums rounded, and
+    most of them are not bf16 values."""
+    from agentmem.engine.kernels import cpu_gemv
+
+    if cpu_gemv.load() is None:
+        pytest.skip(f"no bf16-row kernels here: {cpu_gemv.why_not}")
+    g = torch.Generator().manual_seed(1)
+    p = Proj((0.05 * torch.randn(320, 256, generator=g)).bfloat16(), None, fmt)
+    if p.w_gemv is None or (fmt == "int4" and p.q8_route != "q4"):
+        pytest.skip(f"{fmt} weights do not take the bf16-row kernels on this CPU")
+    for rows in (1, 5):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        lo, hi = p.multiply(x), p.multiply(x, torch.float32)
+        assert lo.dtype == torch.bfloat16 and hi.dtype == torch.float32
+        assert torch.equal(hi.bfloat16(), lo)
+        assert (hi != hi.bfloat16().float()).float().mean() > 0.9

@@ -152,20 +152,24 @@ class Proj:
             return torch.ops.agentmem.proj(x, self.key, self.out_features)
         return self.multiply(x)
 
-    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias). `out_dtype` (fp32 for bf16 rows: the LM head's logits) is honoured
+        where the engine's own kernels run the product, which then store their fp32 sums as they
+        are instead of rounding them to bf16; elsewhere the result is in the rows' dtype."""
         if self.fmt == "int8":
             if self.q8_route == "avx2" and x.dtype == torch.float32:
                 return self._avx2(x)
             if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16
                     and (lib := cpu_gemv.loaded())):
-                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, i16=self.q8_route == "i16")
+                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, out_dtype,
+                                          i16=self.q8_route == "i16")
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
                 return self._many_rows(x)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.q8_route == "q4":
             if x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16 and (lib := cpu_gemv.loaded()):
-                return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
+                return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
             if x.dtype == torch.bfloat16:
                 return self._many_rows(x)
             if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.Q4_MAX_ROWS
@@ -178,7 +182,7 @@ class Proj:
             return out if self.bias is None else out + self.bias
         if self.packed is not None:
             if self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and (lib := cpu_gemv.loaded()):
-                return cpu_gemv.gemv(lib, self.w_gemv, x, self.bias)
+                return cpu_gemv.gemv(lib, self.w_gemv, x, self.bias, out_dtype)
             if self.rows_math == "fp32" and self.w_plain is not None:
                 return _widened(x, self.w_plain, self.bias)
             return _onednn(x, self.packed, self.bias)

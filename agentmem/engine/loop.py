@@ -208,7 +208,7 @@ class EngineLoop:
     def _sample(self, ready: list[tuple[Sequence, torch.Tensor]]) -> None:
         if not ready:
             return
-        logits = torch.stack([lg for _, lg in ready]).float()
+        logits = (ready[0][1][None] if len(ready) == 1 else torch.stack([lg for _, lg in ready])).float()
         greedy = argmax(logits).tolist()
         for j, (seq, _) in enumerate(ready):
             p = seq.params

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .block_manager import BlockManager
@@ -91,23 +92,32 @@ class ModelRunner:
             lens_t = self._tensor(lens, torch.int32)
             return lambda i, q: paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens_t)
         width = max(lens)
-        idx_t = self._key_slots_tensor(seqs, lens, width)
         mask = None
-        if min(lens) < width or (window is not None and width > window):
-            slot = torch.arange(width, device=self.device)[None, :]
-            lens_t = self._tensor(lens)[:, None]
-            mask = slot < lens_t
-            if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
-                mask &= slot >= lens_t - window
-            mask = mask[:, None, None, :]
+        if self.device.type == "cpu":  # in numpy from the sequences' kept slots: few torch calls a step
+            idx_t = torch.from_numpy(self._key_slots_kept(seqs, lens, width))
+            if min(lens) < width or (window is not None and width > window):
+                slot, lens_a = np.arange(width)[None, :], np.asarray(lens)[:, None]
+                seen = slot < lens_a
+                if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
+                    seen &= slot >= lens_a - window
+                mask = torch.from_numpy(seen)[:, None, None, :]
+        else:
+            idx_t = self._key_slots_tensor(seqs, lens, width)
+            if min(lens) < width or (window is not None and width > window):
+                slot = torch.arange(width, device=self.device)[None, :]
+                lens_t = self._tensor(lens)[:, None]
+                mask = slot < lens_t
+                if window is not None:
+                    mask &= slot >= lens_t - window
+                mask = mask[:, None, None, :]
 
         a = self.model.args
         for kernels in (cpu_gemv, cpu_avx2):  # bf16 rows (AVX512-BF16), fp32 rows (AVX2)
             if (lib := kernels.loaded()) is not None and kernels.attention_usable(
                     pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
                 # the CPU kernel, called directly: its inputs are made once a step, not per layer
-                keep = (mask.reshape(len(seqs), width) if mask is not None
-                        else torch.ones(len(seqs), width, dtype=torch.bool)).to(torch.uint8)
+                keep = (mask.reshape(len(seqs), width).to(torch.uint8) if mask is not None
+                        else torch.from_numpy(np.ones((len(seqs), width), dtype=np.uint8)))
 
                 def kernel_attn(i, q, kernels=kernels, lib=lib, keep=keep):
                     return kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
@@ -130,6 +140,17 @@ class ModelRunner:
             slots = self.blocks.slots(s, 0, n)
             idx += slots + slots[:1] * (width - n)
         return idx
+
+    def _key_slots_kept(self, seqs: list[Sequence], lens: list[int], width: int) -> np.ndarray:
+        """`_key_slots` as an int64 array, from each sequence's kept slots (`BlockManager.key_slots`:
+        only a step's new positions are computed)."""
+        rows = []
+        for s, n in zip(seqs, lens, strict=True):
+            slots = self.blocks.key_slots(s, n)
+            rows.append(slots)
+            if n < width:
+                rows.append(np.full(width - n, slots[0], dtype=np.int64))
+        return rows[0].copy() if len(rows) == 1 else np.concatenate(rows)
 
     def _key_slots_tensor(self, seqs: list[Sequence], lens: list[int], width: int) -> torch.Tensor:
         """`_key_slots` as a flat long tensor, made from the block tables by a few tensor ops: a step's
@@ -211,7 +232,9 @@ class ModelRunner:
 
         if not chunks and (paged := getattr(decode_attn, "paged", None)) is not None:
             attn.decode_pool = (pool, slots_t, *paged)  # the K/V write and attention a fused layer does itself
-        logits = self.model(self._tensor(ids), self._tensor(pos), attn, logits_at=self._tensor(rows))
+        every_row = len(rows) == len(ids)  # decodes only: each row's logits, in order (no gather)
+        logits = self.model(self._tensor(ids), self._tensor(pos), attn,
+                            logits_at=None if every_row else self._tensor(rows))
         if trial is not None:
             self.compiled.record(trial[0], False, time.perf_counter() - trial[1])
         for sc in batch:

@@ -29,6 +29,7 @@ class Sequence:
     num_cached: int = 0  # of those, how many came from shared prefix blocks
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hash of each full, registered block
+    key_slots: object | None = None  # block_manager.KeySlots: the slots of its keys, kept between steps
     shareable: bool = True  # False when a planner filled the KV (approximate, so never shared)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # str pieces, then a Generation or an exception
     generator: torch.Generator | None = None
