@@ -92,7 +92,7 @@ class ModelRunner:
             lens_t = self._tensor(lens, torch.int32)
             return lambda i, q: paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens_t)
         width = max(lens)
-        mask = None
+        mask = seen = None
         if self.device.type == "cpu":  # in numpy from the sequences' kept slots: few torch calls a step
             idx_t = torch.from_numpy(self._key_slots_kept(seqs, lens, width))
             if min(lens) < width or (window is not None and width > window):
@@ -116,8 +116,8 @@ class ModelRunner:
             if (lib := kernels.loaded()) is not None and kernels.attention_usable(
                     pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
                 # the CPU kernel, called directly: its inputs are made once a step, not per layer
-                keep = (mask.reshape(len(seqs), width).to(torch.uint8) if mask is not None
-                        else torch.from_numpy(np.ones((len(seqs), width), dtype=np.uint8)))
+                keep = torch.from_numpy(seen.astype(np.uint8) if seen is not None
+                                        else np.ones((len(seqs), width), dtype=np.uint8))
 
                 def kernel_attn(i, q, kernels=kernels, lib=lib, keep=keep):
                     return kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
