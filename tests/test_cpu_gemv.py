@@ -265,7 +265,8 @@ def test_q4_layout_holds_a_4bit_weight_exactly():
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 64, 128), (8, 576, 1536), (11, 32, 64)])
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 64, 128), (8, 576, 1536), (11, 32, 64),
+                                          (70, 32, 128), (200, 64, 576)])  # prefill rows: scales malloc'd
 def test_q4_gemv_is_the_groups_sums_of_the_quantized_rows(lib, rows, out, inp):
     """The q4 product computes, for the rows quantized to int8 as the u8 route does (a scale per
     U8_BLOCK inputs), sum over groups of d * (q . x) + m * sum(x): checked against that sum in

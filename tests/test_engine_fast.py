@@ -536,3 +536,30 @@ def test_bf16_rows_give_their_fp32_sums_where_asked(fmt):
         assert lo.dtype == torch.bfloat16 and hi.dtype == torch.float32
         assert torch.equal(hi.bfloat16(), lo)
         assert (hi != hi.bfloat16().float()).float().mean() > 0.9
+
+
+def test_many_bf16_rows_of_int4_weights_take_the_kernel_where_set(tmp_path):
+    """`Proj.q4_rows` (linear.resolve_q4_rows) sends bf16 rows past the decode rows to the 4-bit
+    kernel (the same product as `gemv_q4` on them) or to the dense bf16 copy; the setting is
+    checked, and kernel / dense need no timing."""
+    from agentmem.engine.kernels import cpu_gemv
+    from agentmem.engine.linear import Q4_ROWS_ALL, resolve_q4_rows
+
+    with pytest.raises(ValueError, match="q4_rows must be"):
+        resolve_q4_rows("fast", (64, 128), tmp_path)
+    assert resolve_q4_rows("kernel", (64, 128), tmp_path) == Q4_ROWS_ALL
+    assert resolve_q4_rows("dense", (64, 128), tmp_path) == cpu_gemv.MAX_ROWS
+    assert not (tmp_path / "weights-choice.json").exists()
+    lib = cpu_gemv.load()
+    g = torch.Generator().manual_seed(2)
+    p = Proj((0.05 * torch.randn(96, 128, generator=g)).bfloat16(), None, "int4")
+    if lib is None or p.q8_route != "q4":
+        pytest.skip("no 4-bit kernel for bf16 rows on this CPU")
+    x = torch.randn(40, 128, generator=g).bfloat16()
+    p.q4_rows = Q4_ROWS_ALL
+    kernel = p(x)
+    assert torch.equal(kernel, cpu_gemv.gemv_q4(lib, p.w_gemv, p.scale, x))
+    p.q4_rows = cpu_gemv.MAX_ROWS
+    dense = p(x)
+    assert not torch.equal(dense, kernel)  # the rows were not quantized
+    assert (dense.float() - kernel.float()).norm() < 0.02 * dense.float().norm()

@@ -102,6 +102,9 @@ class Proj:
         # activations and weight widened to fp32 for MKL's sgemm, the faster where oneDNN has
         # no native bf16 GEMM; see `rows_math`). Set for the whole model by Engine.load.
         self.rows_math = "bf16"
+        # bf16 rows up to which int4 weights (the q4 route) multiply on the engine's own kernel,
+        # past the decode rows (`resolve_q4_rows`; set for the whole model by Engine.load)
+        self.q4_rows = cpu_gemv.MAX_ROWS
         self.w_plain: torch.Tensor | None = None  # the bf16 weight itself, for rows_math fp32
         cpu = w.device.type == "cpu"
         if self.fmt in ("int8", "int4") and not cpu:
@@ -168,7 +171,8 @@ class Proj:
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.q8_route == "q4":
-            if x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16 and (lib := cpu_gemv.loaded()):
+            if (x.shape[0] <= max(cpu_gemv.MAX_ROWS, self.q4_rows) and x.dtype == torch.bfloat16
+                    and (lib := cpu_gemv.loaded())):
                 return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
             if x.dtype == torch.bfloat16:
                 return self._many_rows(x)
@@ -430,6 +434,44 @@ def resolve_rows_math(name: str, dtype: torch.dtype, device: torch.device, shape
         return {"rows_math": choice, f"rows_{PREFILL_ROWS}_us": {k: round(v * 1e6, 1) for k, v in times.items()}}
 
     return remembered(cache_dir, "weights-choice.json", key, measure)["rows_math"]
+
+
+Q4_ROWS = ("kernel", "dense")
+Q4_ROWS_ALL = 1 << 30  # "kernel": any number of rows
+Q4_ROWS_FEW = 64  # the smaller product `resolve_q4_rows` times
+
+
+def resolve_q4_rows(name: str, shape: tuple[int, int], cache_dir: Path) -> int:
+    """Up to how many bf16 rows int4 weights multiply on the engine's own 4-bit kernel
+    (`Proj.q4_rows`), for `AGENTMEM_Q4_ROWS=name`: kernel (any number), dense (the decode rows
+    only, `cpu_gemv.MAX_ROWS`; more multiply a bf16 copy of the weights on oneDNN), or auto:
+    a Q4_ROWS_FEW- and a PREFILL_ROWS-row product of `shape` timed both ways, once per machine
+    (remembered beside the weight choice); the kernel is taken up to the larger size it is
+    faster at. The kernel quantizes each row to int8 (per 64 inputs) as decode does: prefill
+    then computes what decode would. On the Zen 4 VM (session 44, one layer's four products)
+    it was faster at every size: 24 rows 0.44 against 0.62 ms, 128 rows 2.14 against 2.46, 512
+    rows 8.0 against 8.7; where oneDNN runs bf16 on AMX tiles it is not expected to be."""
+    if name not in ("auto", *Q4_ROWS):
+        raise ValueError(f"q4_rows must be auto or one of {', '.join(Q4_ROWS)}, got {name!r}")
+    if name == "kernel":
+        return Q4_ROWS_ALL
+    if name == "dense" or not q4_kernel(torch.bfloat16):
+        return cpu_gemv.MAX_ROWS
+    key = f"q4-rows|{torch.__version__}|{shape}|{torch.get_num_threads()} threads|{simd_flags()}"
+
+    def measure() -> dict:
+        times = {}
+        for rows in (Q4_ROWS_FEW, PREFILL_ROWS):
+            for way, limit in (("kernel", Q4_ROWS_ALL), ("dense", cpu_gemv.MAX_ROWS)):
+                p = Proj(torch.randn(shape).to(torch.bfloat16), fmt="int4")
+                p.q4_rows = limit
+                times[f"{way} {rows}"] = min(rows_seconds(p, shape, rows) for _ in range(2))
+        limit = (Q4_ROWS_ALL if times[f"kernel {PREFILL_ROWS}"] <= times[f"dense {PREFILL_ROWS}"]
+                 else Q4_ROWS_FEW if times[f"kernel {Q4_ROWS_FEW}"] <= times[f"dense {Q4_ROWS_FEW}"]
+                 else cpu_gemv.MAX_ROWS)
+        return {"q4_rows": limit, "us": {k: round(v * 1e6, 1) for k, v in times.items()}}
+
+    return remembered(cache_dir, "weights-choice.json", key, measure)["q4_rows"]
 
 
 def _with_rows_math(fmt: str, shape: tuple[int, int], rows_math: str) -> Proj:

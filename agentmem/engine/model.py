@@ -244,6 +244,13 @@ class Transformer(nn.Module):
             if p.rows_math != math:
                 p.rows_math, p._prefill_w = math, None  # an int8 weight's bf16 copy is packed per math
 
+    def set_q4_rows(self, rows: int) -> None:
+        """Up to how many bf16 rows the int4 projections multiply on the 4-bit kernel
+        (linear.resolve_q4_rows)."""
+        for p in self.projections():
+            if p is not None:
+                p.q4_rows = rows
+
     def forward(
         self,
         ids: torch.Tensor,

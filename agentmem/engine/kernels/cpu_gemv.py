@@ -469,6 +469,7 @@ static inline __attribute__((always_inline)) void tile_u8(const uint8_t *wg, int
 }
 
 #define I8_STACK 32768  /* int8 inputs quantized on the stack; more are malloc'd */
+#define Q4_SCALES_STACK 4096  /* floats of the q4 rows' scales and group sums kept on the stack */
 
 /* `agentmem_gemv` for int8 weights packed by `pack_u8` (K a multiple of U8_BLOCK): the bf16
    input rows are quantized to int8 here, then every 32-output block runs them 8 at a time,
@@ -540,7 +541,11 @@ void agentmem_gemv_q4u8(const uint8_t *w, const uint16_t *dm, const uint16_t *x,
     const int64_t nb = K / U8_BLOCK, ng = K / Q4_GROUP;
     int8_t stack[M * K <= I8_STACK ? M * K + 1 : 1] __attribute__((aligned(64)));
     int8_t *xq = M * K <= I8_STACK ? stack : (int8_t *)malloc((size_t)(M * K));
-    float xs[M * nb > 0 ? M * nb : 1], xsum[M * ng > 0 ? M * ng : 1];
+    /* the rows' scales and group sums: on the stack for decode rows, malloc'd for a prefill's */
+    const int small = M * (nb + ng) <= Q4_SCALES_STACK;
+    float scales[small ? M * (nb + ng) + 1 : 1];
+    float *xs = small ? scales : (float *)malloc(sizeof(float) * (size_t)(M * (nb + ng))), *xsum = xs + M * nb;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M >= 64)
     for (int64_t m = 0; m < M; m++) quantize_q4(x + m * ldx, K, xq + m * K, xs + m * nb, xsum + m * ng);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < N / 16; g++) {
@@ -554,6 +559,7 @@ void agentmem_gemv_q4u8(const uint8_t *w, const uint16_t *dm, const uint16_t *x,
         }
     }
     if (xq != stack) free(xq);
+    if (!small) free(xs);
 }
 
 /* e^x for 16 floats (x <= 0 here: scores minus their max): 2^n * p(r), r = x - n ln 2 in
