@@ -41,10 +41,10 @@ class Config(BaseSettings):
     # how bf16 products of many rows (prefill) multiply on the CPU: auto (the faster measured
     # here, engine/linear.py resolve_rows_math) | bf16 (oneDNN) | fp32 (widened for MKL's sgemm)
     rows_math: str = "auto"
-    # how many bf16 rows of int4 weights (prefill, a blend's rows) multiply: auto (the faster
-    # measured here, engine/linear.py resolve_q4_rows) | kernel (the engine's own 4-bit kernel,
-    # the rows quantized to int8 as decode's are) | dense (oneDNN on a bf16 copy of the weights)
-    q4_rows: str = "auto"
+    # how many bf16 rows of int4 weights (prefill, a blend's rows) multiply: dense (oneDNN on a
+    # bf16 copy of the weights) | kernel (the engine's own 4-bit kernel, the rows quantized to
+    # int8 as decode's are: faster, fewer right answers; engine/linear.py resolve_q4_rows)
+    q4_rows: str = "dense"
     # the compiled decode step (engine/compiled.py): auto (on for the CPU) | on | off; compiles
     # run in the background and one that takes longer than compile_timeout_s leaves decode eager
     compile: str = "auto"

@@ -26,7 +26,7 @@ from .grammar import GrammarCompiler
 from .kernels import cpu_avx2, cpu_gemv
 from .kernels.reference import sdpa
 from .layers import visible
-from .linear import Q4_ROWS, is_four_bit, q4_kernel, resolve_q4_rows, resolve_rows_math, resolve_weights
+from .linear import is_four_bit, q4_kernel, resolve_q4_rows, resolve_rows_math, resolve_weights
 from .loop import EngineLoop
 from .measured import cpu_flags
 from .model import Transformer, load_transformer
@@ -274,10 +274,7 @@ class Engine(ChatText):
             model.pack(weights)
         model.gather_weights()
         model.set_rows_math(rows_math)
-        if weights == "int4" and device.type == "cpu" and dtype == torch.bfloat16:
-            model.set_q4_rows(resolve_q4_rows(config.q4_rows, shape, config.cache_dir))
-        elif config.q4_rows not in ("auto", *Q4_ROWS):
-            resolve_q4_rows(config.q4_rows, shape, config.cache_dir)  # a bad setting is refused anywhere
+        model.set_q4_rows(resolve_q4_rows(config.q4_rows))  # int4 weights' many rows (a bad setting is refused)
         if device.type == "cpu" and dtype == torch.bfloat16 and a.sliding_window is None:
             cpu_gemv.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name

@@ -27,10 +27,9 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   minimum. On AVX512-VNNI (the u8 route's CPUs) in llama.cpp's Q4_1 form (`cpu_gemv.pack_q4`:
   w = d q + m, d and m fp16, q in 0..15), multiplied by the `q4` kernel for few rows (the rows
-  quantized to int8 as on the u8 route); many rows (prefill, a blend's rows) take the same
-  kernel where it measures faster than oneDNN on a dequantized bf16 copy (`resolve_q4_rows`,
-  `AGENTMEM_Q4_ROWS`: on the Zen 4 VM at every size, a 2,048-token prefill ~10% faster and a
-  350-token prompt ~20%, session 44), else that copy, like int8. A
+  quantized to int8 as on the u8 route) and by a dequantized bf16 copy for many, like int8
+  (`AGENTMEM_Q4_ROWS=kernel` takes the kernel for many rows too: faster, and fewer answers
+  right in `bench memory`, `resolve_q4_rows`). A
   model read from a Q4_1 GGUF (the default one) is held exactly so: its groups' smallest and
   largest values are m and m + 15 d, so the file's own 4-bit weights come back bit for bit (tested
   on the shipped model), where int8's one scale a row rounds them. Half int8's bytes a decode
@@ -439,42 +438,25 @@ def resolve_rows_math(name: str, dtype: torch.dtype, device: torch.device, shape
     return remembered(cache_dir, "weights-choice.json", key, measure)["rows_math"]
 
 
-Q4_ROWS = ("kernel", "dense")
+Q4_ROWS = ("dense", "kernel")
 Q4_ROWS_ALL = 1 << 30  # "kernel": any number of rows
-Q4_ROWS_FEW = 64  # the smaller product `resolve_q4_rows` times
 
 
-def resolve_q4_rows(name: str, shape: tuple[int, int], cache_dir: Path) -> int:
+def resolve_q4_rows(name: str) -> int:
     """Up to how many bf16 rows int4 weights multiply on the engine's own 4-bit kernel
-    (`Proj.q4_rows`), for `AGENTMEM_Q4_ROWS=name`: kernel (any number), dense (the decode rows
-    only, `cpu_gemv.MAX_ROWS`; more multiply a bf16 copy of the weights on oneDNN), or auto:
-    a Q4_ROWS_FEW- and a PREFILL_ROWS-row product of `shape` timed both ways, once per machine
-    (remembered beside the weight choice); the kernel is taken up to the larger size it is
-    faster at. The kernel quantizes each row to int8 (per 64 inputs) as decode does: prefill
-    then computes what decode would. On the Zen 4 VM (session 44, one layer's four products)
-    it was faster at every size: 24 rows 0.44 against 0.62 ms, 128 rows 2.14 against 2.46, 512
-    rows 8.0 against 8.7; where oneDNN runs bf16 on AMX tiles it is not expected to be."""
-    if name not in ("auto", *Q4_ROWS):
-        raise ValueError(f"q4_rows must be auto or one of {', '.join(Q4_ROWS)}, got {name!r}")
-    if name == "kernel":
-        return Q4_ROWS_ALL
-    if name == "dense" or not q4_kernel(torch.bfloat16):
-        return cpu_gemv.MAX_ROWS
-    key = f"q4-rows|{torch.__version__}|{shape}|{torch.get_num_threads()} threads|{simd_flags()}"
+    (`Proj.q4_rows`), for `AGENTMEM_Q4_ROWS=name`: dense (the default: the decode rows only,
+    `cpu_gemv.MAX_ROWS`; more, as a prefill's, multiply a bf16 copy of the weights on oneDNN) or
+    kernel (any number: the rows quantized to int8 per 64 inputs, as decode's are).
 
-    def measure() -> dict:
-        times = {}
-        for rows in (Q4_ROWS_FEW, PREFILL_ROWS):
-            for way, limit in (("kernel", Q4_ROWS_ALL), ("dense", cpu_gemv.MAX_ROWS)):
-                p = Proj(torch.randn(shape).to(torch.bfloat16), fmt="int4")
-                p.q4_rows = limit
-                times[f"{way} {rows}"] = min(rows_seconds(p, shape, rows) for _ in range(2))
-        limit = (Q4_ROWS_ALL if times[f"kernel {PREFILL_ROWS}"] <= times[f"dense {PREFILL_ROWS}"]
-                 else Q4_ROWS_FEW if times[f"kernel {Q4_ROWS_FEW}"] <= times[f"dense {Q4_ROWS_FEW}"]
-                 else cpu_gemv.MAX_ROWS)
-        return {"q4_rows": limit, "us": {k: round(v * 1e6, 1) for k, v in times.items()}}
-
-    return remembered(cache_dir, "weights-choice.json", key, measure)["q4_rows"]
+    The kernel is the faster way on the Zen 4 VM at every size (session 44, one layer's four
+    products: 24 rows 0.44 against 0.62 ms, 512 rows 8.0 against 8.7; a 2,048-token prefill
+    ~10% faster, a 350-token prompt ~20%), and perplexity did not move (8.4147 -> 8.4042 on 512
+    tokens). But `bench memory` answered fewer questions with it on each of five workload
+    seeds (122 against 133 of 240): a prompt's rows quantized to int8 cost answers that a
+    token's perplexity does not show. So it is not the default, and not chosen by timing."""
+    if name not in Q4_ROWS:
+        raise ValueError(f"q4_rows must be one of {', '.join(Q4_ROWS)}, got {name!r}")
+    return Q4_ROWS_ALL if name == "kernel" else cpu_gemv.MAX_ROWS
 
 
 def _with_rows_math(fmt: str, shape: tuple[int, int], rows_math: str) -> Proj:
