@@ -174,10 +174,10 @@ def test_placement_fills_the_pool_and_keeps_the_newest_cached_prefixes():
     assert bm.num_free == 16 and bm._is_free.all()
 
 
-def test_the_runners_key_slot_tensor_is_the_per_key_list():
-    """ModelRunner._key_slots_tensor (a decode step's key slots from the block tables by tensor
-    ops) gives `_key_slots`' list exactly: ragged lengths, each row padded with its own first
-    slot, tables longer than the keys they hold, one key, a block boundary."""
+def test_the_runners_kept_key_slots_are_the_per_key_list():
+    """ModelRunner._key_slots_kept (a decode step's key slots from each sequence's kept slots)
+    gives `_key_slots`' list exactly: ragged lengths, each row padded with its own first slot,
+    tables longer than the keys they hold, one key, a block boundary."""
     import random
 
     import torch
@@ -195,7 +195,7 @@ def test_the_runners_key_slot_tensor_is_the_per_key_list():
             seqs.append(s)
         width = max(lens)
         want = runner._key_slots(seqs, lens, width)
-        got = runner._key_slots_tensor(seqs, lens, width)
+        got = torch.from_numpy(runner._key_slots_kept(seqs, lens, width))
         assert got.dtype == torch.long and got.tolist() == want, lens
 
 
@@ -219,6 +219,7 @@ def test_the_kept_key_slots_follow_growth_and_changed_tables():
         assert bm.key_slots(s, n).tolist() == bm.slots(s, 0, n), n
     s.block_table[3] = 511 if s.block_table[3] != 511 else 510  # under the kept slots
     assert bm.key_slots(s, 640).tolist() == bm.slots(s, 0, 640)
+    assert s.key_slots.table == s.block_table  # the new table is the one kept: next steps add to it
     s.block_table = rng.sample(range(512), 40)  # a new table altogether
     assert bm.key_slots(s, 100).tolist() == bm.slots(s, 0, 100)
     with pytest.raises(ValueError, match="no slot for position 640"):

@@ -244,7 +244,7 @@ class KeySlots:
     def upto(self, table: list[int], n: int, bs: int) -> np.ndarray:
         """The slots of positions 0..n-1 (a view of the kept array: read it before the next call)."""
         if table[: len(self.table)] != self.table:
-            self.n = 0
+            self.n, self.table = 0, []  # computed again from this table, which is then the one kept
         if n > len(table) * bs:
             raise ValueError(f"a block table of {len(table)} blocks has no slot for position {n - 1}")
         if n > self.n:

@@ -173,8 +173,7 @@ class Proj:
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.q8_route == "q4":
-            if (x.shape[0] <= max(cpu_gemv.MAX_ROWS, self.q4_rows) and x.dtype == torch.bfloat16
-                    and (lib := cpu_gemv.loaded())):
+            if x.shape[0] <= self.q4_rows and x.dtype == torch.bfloat16 and (lib := cpu_gemv.loaded()):
                 return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
             if x.dtype == torch.bfloat16:
                 return self._many_rows(x)

@@ -92,24 +92,17 @@ class ModelRunner:
             lens_t = self._tensor(lens, torch.int32)
             return lambda i, q: paged_decode_attention(q, pool.k[i], pool.v[i], tables, lens_t)
         width = max(lens)
+        # made in numpy from the sequences' kept slots (few torch calls a step), then one tensor each
+        # (copied to the device off the CPU: a sliding-window model on CUDA)
+        on_device = (lambda t: t) if self.device.type == "cpu" else (lambda t: t.to(self.device))
+        idx_t = on_device(torch.from_numpy(self._key_slots_kept(seqs, lens, width)))
         mask = seen = None
-        if self.device.type == "cpu":  # in numpy from the sequences' kept slots: few torch calls a step
-            idx_t = torch.from_numpy(self._key_slots_kept(seqs, lens, width))
-            if min(lens) < width or (window is not None and width > window):
-                slot, lens_a = np.arange(width)[None, :], np.asarray(lens)[:, None]
-                seen = slot < lens_a
-                if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
-                    seen &= slot >= lens_a - window
-                mask = torch.from_numpy(seen)[:, None, None, :]
-        else:
-            idx_t = self._key_slots_tensor(seqs, lens, width)
-            if min(lens) < width or (window is not None and width > window):
-                slot = torch.arange(width, device=self.device)[None, :]
-                lens_t = self._tensor(lens)[:, None]
-                mask = slot < lens_t
-                if window is not None:
-                    mask &= slot >= lens_t - window
-                mask = mask[:, None, None, :]
+        if min(lens) < width or (window is not None and width > window):
+            slot, lens_a = np.arange(width)[None, :], np.asarray(lens)[:, None]
+            seen = slot < lens_a
+            if window is not None:  # a decode query at position n-1 sees keys n-window..n-1
+                seen &= slot >= lens_a - window
+            mask = on_device(torch.from_numpy(seen))[:, None, None, :]
 
         a = self.model.args
         for kernels in (cpu_gemv, cpu_avx2):  # bf16 rows (AVX512-BF16), fp32 rows (AVX2)
@@ -151,19 +144,6 @@ class ModelRunner:
             if n < width:
                 rows.append(np.full(width - n, slots[0], dtype=np.int64))
         return rows[0].copy() if len(rows) == 1 else np.concatenate(rows)
-
-    def _key_slots_tensor(self, seqs: list[Sequence], lens: list[int], width: int) -> torch.Tensor:
-        """`_key_slots` as a flat long tensor, made from the block tables by a few tensor ops: a step's
-        Python work no longer grows with the keys (a list of every key's slot cost 5.8 ms a step
-        for 8 streams of ~550 keys on a 2-core Skylake VM, 0.38 ms this way)."""
-        bs = self.blocks.block_size
-        nb = -(-width // bs)
-        tables = self._tensor([s.block_table[:nb] + [0] * (nb - len(s.block_table[:nb])) for s in seqs])
-        pos = torch.arange(width, device=self.device)
-        idx = tables[:, pos // bs] * bs + pos % bs
-        if min(lens) < width:  # each row padded with its own first slot (masked)
-            idx = torch.where(pos[None, :] < self._tensor(lens)[:, None], idx, idx[:, :1])
-        return idx.reshape(-1)
 
     @torch.inference_mode()
     def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Sequence]]:
