@@ -118,8 +118,10 @@ def test_tiny_run_keeps_the_json_contract(engine, embedder, tmp_path):
         assert cat["questions"] >= 1 and 0.0 <= cat["evidence_recall_at_10"] <= 1.0
     assert [r["messages"] for r in out["scale"]] == [60, 120]
     for r in out["scale"]:
-        assert 0 < r["search_p50_s"] <= r["search_p95_s"] and 0 < r["context_p95_s"]
+        assert 0 < r["search_p50_s"] <= r["search_p95_s"] and 0 < r["context_p95_s"] and r["first_search_s"] > 0
     assert out["ingest_msgs_per_s"] > 0 and out["dtype"] == "float32"
+    # searchable: the fill plus the first searches, which embed what it added, so never the faster
+    assert 0 < out["searchable_msgs_per_s"] < out["ingest_msgs_per_s"]
     assert out["questions"] == sum(c["questions"] for c in out["by_category"].values())
 
 
@@ -166,6 +168,32 @@ def test_own_layout_loads_turns_dates_captions_and_evidence(tmp_path):
     assert msgs[0][1] == {"role": "assistant", "content": "look what I made!!", "created_at": conv.turns[1].created_at,
                           "name": "Kwame", "caption": "a loaf of sourdough bread on a board"}
     assert "caption" not in msgs[0][0] and msgs[1][0]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("name", ["handwritten.json", "handwritten2.json"])
+def test_shipped_hand_written_sets_load_whole_and_in_order(name):
+    """The hand-written sets `bench recall --dataset` reads: every question kept (its evidence
+    names turns of its own conversation), sessions in date order, the five categories."""
+    from importlib import resources
+
+    from agentmem.recall_bench.dataset import load_dataset
+
+    path = resources.files("agentmem.recall_bench") / "data" / name
+    data, skipped = load_dataset(str(path))
+    assert skipped == 0 and len(data.questions) >= 170
+    assert {q.category for q in data.questions} == {"single_hop", "multi_hop", "temporal", "which_person",
+                                                    "adversarial"}
+    convs = {c.id: c for c in data.conversations}
+    for c in convs.values():
+        times = [t.created_at for t in c.turns]
+        assert times == sorted(times) and len({t.speaker for t in c.turns}) >= 2
+    for q in data.questions:
+        turns = convs[q.conversation].turns
+        assert q.evidence and all(0 <= t < len(turns) for t in q.evidence)
+    # multi-hop evidence spans sessions (one question of the first set asks two people of one evening)
+    single = [q for q in data.questions if q.category == "multi_hop"
+              and len({convs[q.conversation].turns[t].session for t in q.evidence}) < 2]
+    assert len(single) <= 1
 
 
 def test_a_speaker_called_assistant_is_the_assistants_own_replies(tmp_path):
