@@ -144,7 +144,10 @@ class Config(BaseSettings):
     # --- replicas (cluster/, api/shared_rate.py, kvreuse/shared_tier.py) -------------------
     redis_url: str | None = None  # e.g. redis://host:6379/0: rate limits and a chunk-KV tier shared by replicas
     redis_kv_bytes: int = 1 << 30  # the shared chunk-KV tier's budget, across all replicas
-    recall_cache_mb: int = 256  # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py)
+    # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py). 1024 since
+    # session 45: a 100,000-message user's index is ~250 MB (fp16 vectors in its IVF), and at 256
+    # any other user's search evicted it, so its next search read it back (~1 s a search)
+    recall_cache_mb: int = 1024
     # dense recall ranks with this many of a user's own top principal directions taken out (0:
     # plain cosine, the default; 8 measured best). Off by default: it lifts `bench recall` (0.756 ->
     # 0.785) but lowered the 135M model's answers on `bench memory` (68 -> 51 and 66 -> 53 of

@@ -414,9 +414,28 @@ def test_large_history_moves_to_an_ivf_index(tmp_path, embedder, monkeypatch):
         {"role": "user", "content": f"Day {i}: today was about {topics[i % 8]} with friend number {i}"}
         for i in range(240)])
     ui = store.recall.sync("default", "big")
-    assert isinstance(ui.index, faiss.IndexIVF) and ui.index.ntotal == 480
+    assert isinstance(ui.index, faiss.IndexIVFScalarQuantizer) and ui.index.ntotal == 480  # fp16 vectors
+    assert ui.index.code_size == 2 * ui.index.d
     hit = store.search("default", "big", "friend number 123 and chess", k=3)
     assert msgs[123].id in [h.id for h in hit]
+    # an IVF-flat written before (fp32 vectors) is converted on load, its vectors kept, nothing embedded again
+    vecs, ids = recall._all_vectors(ui.index)
+    assert np.abs(np.linalg.norm(vecs, axis=1) - 1).max() < 1e-2
+    old = faiss.IndexIVFFlat(faiss.IndexFlatIP(ui.index.d), ui.index.d, ui.index.nlist, faiss.METRIC_INNER_PRODUCT)
+    old.train(vecs)
+    old.add_with_ids(vecs, ids)
+    ui.index, ui.dirty = old, 1
+    store.recall.flush("default", "big")
+    store.recall._indexes.pop(("default", "big"))
+    calls = []
+    monkeypatch.setattr(embedder, "embed", lambda texts, **kw: calls.append(texts) or pytest.fail("embedded again"))
+    again = store.recall._current(("default", "big"), store.recall._epoch(("default", "big")))
+    assert isinstance(again.index, faiss.IndexIVFScalarQuantizer) and again.index.ntotal == 480 and again.dirty
+    back, back_ids = recall._all_vectors(again.index)
+    order = np.argsort(back_ids)
+    assert np.array_equal(back_ids[order], np.sort(ids)) and np.abs(back[order] - vecs[np.argsort(ids)]).max() < 1e-3
+    monkeypatch.undo()
+    monkeypatch.setattr(recall, "IVF_MIN_VECTORS", 400)
     store.delete_user("default", "big")
     sid = store.open_session("default", "big").id
     store.add_messages("default", "big", sid, [{"role": "user", "content": "Just one line now"}])
