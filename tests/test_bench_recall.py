@@ -119,6 +119,7 @@ def test_tiny_run_keeps_the_json_contract(engine, embedder, tmp_path):
     assert [r["messages"] for r in out["scale"]] == [60, 120]
     for r in out["scale"]:
         assert 0 < r["search_p50_s"] <= r["search_p95_s"] and 0 < r["context_p95_s"] and r["first_search_s"] > 0
+        assert r["alternating_search_p95_s"] > 0
     assert out["ingest_msgs_per_s"] > 0 and out["dtype"] == "float32"
     # searchable: the fill plus the first searches, which embed what it added, so never the faster
     assert 0 < out["searchable_msgs_per_s"] < out["ingest_msgs_per_s"]
