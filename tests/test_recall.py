@@ -171,6 +171,32 @@ def test_postgresql_fulltext_and_fusion(tmp_path, embedder, pg_url):
         s.close()
 
 
+def _rare_and_common(s) -> dict[str, int]:
+    sid = s.open_session("default", "idf").id
+    texts = [f"today was {w} today, like every day" for w in ("slow", "grey", "long", "busy", "odd", "fine")] * 4
+    texts += ["I finally bought a second-hand cello", "today the parcel came"]
+    msgs = s.add_messages("default", "idf", sid, [{"role": "user", "content": t} for t in texts])
+    s.add_messages("default", "idf", sid, [{"role": "user", "content": "look!", "caption": "a cello case on a bed"}])
+    return {m.text: m.id for m in msgs} | {"look!": s.archive.lexical_search("default", "idf", ["look"])[0][0]}
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_full_text_weighs_a_rare_word_over_a_common_one(tmp_path, embedder, db, request):
+    """bm25 on both databases: "cello" (said once) outweighs "today" (said 25 times, twice in
+    most of those turns); a word only in a caption counts less than in the text. PostgreSQL's
+    ts_rank_cd has no inverse document frequency, so it ranked the common word's turns first."""
+    url = request.getfixturevalue("pg_url") if db == "postgresql" else None
+    s = MemoryStore(Config(data_dir=tmp_path, db_url=url), embedder=embedder)
+    try:
+        ids = _rare_and_common(s)
+        found = [i for i, _ in s.archive.lexical_search("default", "idf", ["today", "cello"], 5)]
+        assert found[:2] == [ids["I finally bought a second-hand cello"], ids["look!"]]
+    finally:
+        if db == "postgresql":
+            s.delete_user("default", "idf")
+        s.close()
+
+
 def test_speaker_named_in_the_question_is_favoured(store):
     ids = _conversation(store, sessions=[
         SMALL_TALK + [("Priya", "Our tabby cat knocked a plant off the shelf again", 2),
