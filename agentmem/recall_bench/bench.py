@@ -176,7 +176,7 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def measure_scale(sizes: list[int], store, engine, config, seed: int, queries: int,
-                  tenant: str = "bench-scale") -> tuple[list[dict], float]:
+                  tenant: str = "bench-scale") -> tuple[list[dict], float, float]:
     """One fresh user filled to each size in turn; search and context latency at each.
     Returns the per-size rows, the import rate over the whole fill (`add_messages` alone) and
     the rate until every message is searchable (the fill and each first search, which embeds

@@ -501,16 +501,17 @@ class Archive:
     def lexical_search(self, tenant_id: str, user_id: str, terms: list[str], limit: int = 50,
                        exclude: Iterable[int] = (), since: datetime | None = None,
                        until: datetime | None = None, what: str = "messages",
-                       speakers: list[str] | None = None) -> list[tuple[int, float]]:
+                       speakers: list[str] | None = None, rows: int | None = None) -> list[tuple[int, float]]:
         """(id, score) of messages (or active memories, `what="memories"`) from the database's
-        own full-text index, best first: FTS5's bm25 on SQLite, `ts_rank_cd` over
-        `websearch_to_tsquery` on PostgreSQL. `terms` are plain words (`query.content_terms`);
-        any of them may match. `speakers`: only messages by these names (None: anyone's)."""
+        own full-text index, best first: FTS5's bm25 on SQLite, bm25 computed over the GIN
+        index's matches on PostgreSQL. `terms` are plain words (`query.content_terms`); any of
+        them may match. `speakers`: only messages by these names (None: anyone's). `rows`: how
+        many the user has, where the caller knows (PostgreSQL's idf; else counted)."""
         if what not in ("messages", "memories"):
             raise ValueError(f"what must be 'messages' or 'memories', got {what!r}")
         with self.tx() as s:
             return lexical.search(s, tenant_id, user_id, terms, limit, list(exclude), to_db_time(since),
-                                  to_db_time(until), what, speakers)
+                                  to_db_time(until), what, speakers, rows)
 
     def purge_fulltext(self) -> None:
         """Merge the full-text indexes so deleted rows' terms leave their pages (SQLite keeps

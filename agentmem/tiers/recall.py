@@ -792,8 +792,10 @@ class Recall:
     def _lexical(self, tenant_id: str, user_id: str, ui: UserIndex, terms: list[str], exclude: frozenset,
                  since: datetime | None, until: datetime | None, depth: int = DEPTH) -> tuple[list, list]:
         """The full-text ranking's messages and memories (the latter only where the user has any)."""
-        messages = self.archive.lexical_search(tenant_id, user_id, terms, depth, exclude, since, until)
+        messages = self.archive.lexical_search(tenant_id, user_id, terms, depth, exclude, since, until,
+                                               rows=len(ui.messages))
         memories = self.archive.lexical_search(tenant_id, user_id, terms, depth, since=since, until=until,
+                                               rows=len(ui.memories),
                                                what="memories") if ui.memories else []
         return messages, memories
 
@@ -863,6 +865,7 @@ class Recall:
                                                 text_seen=c.text_seen))
         if "lexical" in use:
             found = self.archive.lexical_search(tenant_id, user_id, pq.terms, depth, exclude, since, until,
+                                                rows=len(ui.messages),
                                                 speakers=speakers)
             for rank, mid, _ in _tied_ranks(found):
                 key = (_MESSAGE, mid)
