@@ -139,11 +139,11 @@ def _pg_bm25(terms: list[str], table: str, extra: str, weighted: bool, params: d
         params[f"t{i}"] = t.replace('"', "").replace("-", " ")
     queries = ", ".join(f"websearch_to_tsquery('english', :t{i}) AS q{i}" for i in range(n))
     anyq = " || ".join(f"q.q{i}" for i in range(n))
-    if weighted:  # the text is weight A, the captions B (migration 0007)
-        flags = ", ".join(f"CASE WHEN ts_filter(m.search_tsv, '{{a}}') @@ q.q{i} THEN 1.0 "
-                          f"WHEN m.search_tsv @@ q.q{i} THEN {PG_KEYS_WEIGHT} ELSE 0.0 END AS f{i}" for i in range(n))
-    else:
-        flags = ", ".join(f"CASE WHEN m.search_tsv @@ q.q{i} THEN 1.0 ELSE 0.0 END AS f{i}" for i in range(n))
+    # the text is weight A, the captions B (migration 0007): the text's own lexemes are filtered
+    # out once a row (`a`), not once per word; memories index their text alone
+    text_only = "ts_filter(m.search_tsv, '{a}')" if weighted else "m.search_tsv"
+    flags = ", ".join(f"CASE WHEN r.a @@ q.q{i} THEN 1.0 WHEN r.v @@ q.q{i} THEN {PG_KEYS_WEIGHT} ELSE 0.0 END "
+                      f"AS f{i}" for i in range(n))
     dfs = ", ".join(f"count(*) FILTER (WHERE f{i} > 0) AS d{i}" for i in range(n))
     if rows is not None:
         params["rows"] = max(int(rows), 1)
@@ -152,8 +152,9 @@ def _pg_bm25(terms: list[str], table: str, extra: str, weighted: bool, params: d
         count = f"(SELECT count(*) FROM {table} WHERE tenant_id = :tenant AND user_id = :user)"
     idf = " + ".join(f"h.f{i} * ln(1 + (st.n - st.d{i} + 0.5) / (st.d{i} + 0.5))" for i in range(n))
     return (f"WITH q AS (SELECT {queries}), "
-            f"hits AS (SELECT m.id, length(m.search_tsv) AS len, {flags} FROM {table} m, q "
+            f"matched AS (SELECT m.id, m.search_tsv AS v, {text_only} AS a FROM {table} m, q "
             f"WHERE m.search_tsv @@ ({anyq}) AND m.tenant_id = :tenant AND m.user_id = :user{extra}), "
+            f"hits AS (SELECT r.id, length(r.v) AS len, {flags} FROM matched r, q), "
             f"st AS (SELECT {count} AS n, "
             f"greatest(avg(len), 1) AS avglen, {dfs} FROM hits) "
             f"SELECT h.id, ({idf}) * {BM25_K1 + 1} / (1 + {BM25_K1} * (1 - {BM25_B} + {BM25_B} * h.len / st.avglen)) "

@@ -735,23 +735,17 @@ class Recall:
         # messages, analysed tables: 63 -> 32 server round trips a search, p50 39-41 -> 32-34 ms;
         # SQLite 16.3 -> 15.3 ms). The pool threads' searches open their own.
         with self.archive.tx():
-            return self._search_in(tenant_id, user_id, ui, pq, event_pq, vecs, use, exclude, k, since, until,
-                                   now or conv_now, conv_now, own_replies, lexical)
-
-    def _search_in(self, tenant_id: str, user_id: str, ui: UserIndex, pq: ParsedQuery,
-                   event_pq: ParsedQuery | None, vecs: np.ndarray | None, use: set[str], exclude: frozenset,
-                   k: int, since: datetime | None, until: datetime | None, now: datetime, conv_now: datetime,
-                   own_replies: bool, lexical: Future | None) -> list[Hit]:
-        event = None
-        if event_pq is not None:
-            # the event's own search runs beside the question's retrievers, which do not need
-            # its date; only the question's time vote waits for it (a dated question cost two
-            # searches in a row: the p95 of search at 100,000 messages)
-            event = _EVENTS.submit(_released_pool, self._fused, tenant_id, user_id, ui, event_pq,
-                                   None if vecs is None else vecs[1:2], use, exclude, 1, None, None, conv_now,
-                                   brief=True)
-        return self._fused(tenant_id, user_id, ui, pq, None if vecs is None else vecs[:1], use, exclude, k,
-                           since, until, now, event=event, own_replies=own_replies, lexical=lexical)
+            event = None
+            if event_pq is not None:
+                # the event's own search runs beside the question's retrievers, which do not need
+                # its date; only the question's time vote waits for it (a dated question cost two
+                # searches in a row: the p95 of search at 100,000 messages)
+                event = _EVENTS.submit(_released_pool, self._fused, tenant_id, user_id, ui, event_pq,
+                                       None if vecs is None else vecs[1:2], use, exclude, 1, None, None, conv_now,
+                                       brief=True)
+            return self._fused(tenant_id, user_id, ui, pq, None if vecs is None else vecs[:1], use, exclude, k,
+                               since, until, now or conv_now, event=event, own_replies=own_replies,
+                               lexical=lexical)
 
     def _fused(self, tenant_id: str, user_id: str, ui: UserIndex, pq: ParsedQuery, qvec: np.ndarray | None,
                use: set[str], exclude: frozenset, k: int, since: datetime | None, until: datetime | None,
