@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
             continue
         try:
             print("bot> ", end="", flush=True)
-            for piece in session.chat(line, stream=True, max_tokens=args.max_tokens, temperature=args.temperature):
+            for piece in session.chat_stream(line, max_tokens=args.max_tokens, temperature=args.temperature):
                 print(piece, end="", flush=True)
             print()
         except InvalidInput as e:

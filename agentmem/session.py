@@ -90,15 +90,29 @@ class AgentSession:
 
     # --- the turn ----------------------------------------------------------------------------
     def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
-             temperature: float | None = None, question_aware_tokens: int | None = None, *,
-             top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-             repetition_penalty: float | None = None, frequency_penalty: float | None = None,
-             presence_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
-             logprobs: bool | None = None, top_logprobs: int | None = None,
-             stop: str | list[str] | None = None, seed: int | None = None, grammar=None,
-             extra_system: str | None = None, copy_ngram: int | None = None) -> str | Iterator[str]:
-        """Reply to `text`. With stream=True, an iterator of text pieces; the reply is stored
-        and `last_turn` set when it is exhausted. The user's message is committed first.
+             temperature: float | None = None, question_aware_tokens: int | None = None,
+             **sampling) -> str | Iterator[str]:
+        """Reply to `text`: the reply's text, stored with a trace (`last_turn`) before it is
+        returned. The keyword arguments (`sampling`) are `chat_stream`'s, which yields the reply
+        as it is made. `stream=True` is the older spelling of `chat_stream`, kept for the
+        callers that use it: the one case where this returns an iterator."""
+        gen, pieces = self._turn(text, max_tokens, temperature, question_aware_tokens, **sampling)
+        if stream:
+            return pieces
+        for _ in pieces:
+            pass
+        return gen.result.text
+
+    def chat_stream(self, text: str | bytes, max_tokens: int | None = None,
+                    temperature: float | None = None, question_aware_tokens: int | None = None, *,
+                    top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                    repetition_penalty: float | None = None, frequency_penalty: float | None = None,
+                    presence_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
+                    logprobs: bool | None = None, top_logprobs: int | None = None,
+                    stop: str | list[str] | None = None, seed: int | None = None, grammar=None,
+                    extra_system: str | None = None, copy_ngram: int | None = None) -> Iterator[str]:
+        """Reply to `text` as an iterator of text pieces; the reply is stored and `last_turn`
+        set when it is exhausted. The user's message is committed first, before this returns.
         Sampling is the engine's (engine/sampler.py); a value left None is the model's default
         (`engine.sampling_defaults`: generation_config.json, the model card, AGENTMEM_SAMPLE_*);
         bad values raise `InvalidSampling` before anything is stored. `grammar` (an
@@ -108,6 +122,20 @@ class AgentSession:
         tokens in a row of an earlier reply of this session still in the prompt.
         `question_aware_tokens`: compress the recalled memories against `text` to about that
         many tokens (LongLLMLingua); their cached KV cannot be reused for this turn."""
+        return self._turn(text, max_tokens, temperature, question_aware_tokens, top_p=top_p, top_k=top_k,
+                          min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                          presence_penalty=presence_penalty, logit_bias=logit_bias, logprobs=logprobs,
+                          top_logprobs=top_logprobs, stop=stop, seed=seed, grammar=grammar,
+                          extra_system=extra_system, copy_ngram=copy_ngram)[1]
+
+    def _turn(self, text: str | bytes, max_tokens: int | None = None, temperature: float | None = None,
+              question_aware_tokens: int | None = None, *, top_p: float | None = None, top_k: int | None = None,
+              min_p: float | None = None, repetition_penalty: float | None = None,
+              frequency_penalty: float | None = None, presence_penalty: float | None = None,
+              logit_bias: dict[int, float] | None = None, logprobs: bool | None = None,
+              top_logprobs: int | None = None, stop: str | list[str] | None = None, seed: int | None = None,
+              grammar=None, extra_system: str | None = None, copy_ngram: int | None = None):
+        """The turn of `chat` and `chat_stream`: (the engine's generation, its pieces as stored)."""
         params = with_defaults(getattr(self.engine, "sampling_defaults", {}),
                                max_tokens=max_tokens or self.config.reply_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -133,12 +161,7 @@ class AgentSession:
                 earlier = [self.engine.encode(m.text) for m in self.working.queue if m.role == "assistant"]
                 params = replace(params, copy_ngram=n, copy_sources=earlier).validate()
             gen = self.engine.stream(ctx.prompt, params)
-        pieces = self._finish(gen, ctx, user_msg[0], evicted)
-        if stream:
-            return pieces
-        for _ in pieces:
-            pass
-        return gen.result.text
+        return gen, self._finish(gen, ctx, user_msg[0], evicted)
 
     def _finish(self, gen, ctx: Context, user_msg: Message, evicted: list[int]) -> Iterator[str]:
         yield from gen

@@ -66,6 +66,22 @@ def test_stream_commits_the_user_message_before_generating(make):
         assert msgs[-1].role == "assistant" and msgs[-1].text == text.strip()
 
 
+def test_chat_stream_and_chat_store_the_same_kind_of_turn(make):
+    s = make()
+    it = s.chat_stream("Say one word.", max_tokens=5, seed=3)
+    assert not isinstance(it, str)  # one return type: an iterator, even before the first piece
+    assert [m.text for m in s.store.session_messages("default", "alice", s.session_id)] == ["Say one word."]
+    streamed = "".join(it)
+    assert s.last_turn.reply == streamed.strip()
+    # chat() returns the reply's text itself, stored as chat_stream's is
+    replied = s.chat("Say another word.", max_tokens=5, seed=3)
+    assert isinstance(replied, str) and s.last_turn.reply == replied.strip()
+    stored = s.store.session_messages("default", "alice", s.session_id)
+    assert stored[-1].text == replied.strip() or not replied.strip()
+    with pytest.raises(TypeError):
+        s.chat_stream("hi", stream=True)  # the flag belongs to chat alone
+
+
 def test_memory_segments_are_stable_and_ordered(make):
     s = make()
     s.add_messages([{"role": "user", "content": FACT}, {"role": "user", "content": "I live in Lisbon."}])

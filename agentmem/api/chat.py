@@ -221,7 +221,7 @@ class ChatService:
             with opened.lock, self._one_at_a_time():
                 if new and earlier:
                     session.add_messages(earlier)
-                out = session.chat(text, stream=True, max_tokens=max_tokens, extra_system=fmt.system, **kw)
+                out = session.chat_stream(text, max_tokens=max_tokens, extra_system=fmt.system, **kw)
                 parts = []
                 for piece in out:
                     parts.append(piece)
