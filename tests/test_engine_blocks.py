@@ -247,3 +247,27 @@ def np_shares(a, b) -> bool:
     import numpy as np
 
     return bool(np.shares_memory(a, b))
+
+
+def test_an_admission_matches_its_prefix_once(monkeypatch):
+    from agentmem.engine.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq(range(10))
+    bm.allocate(a)
+    a.num_computed = 10
+    bm.register(a)
+    calls = []
+    real = bm._match_prefix
+    monkeypatch.setattr(bm, "_match_prefix", lambda s: calls.append(s.id) or real(s))
+    sched = Scheduler(bm, max_batch=4, prefill_chunk=64)
+    b = seq(list(range(8)) + [7, 7, 7])
+    sched.add(b)
+    batch = sched.schedule()
+    assert [sc.seq for sc in batch] == [b] and calls == [b.id]  # can_allocate and allocate share one match
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached == 8
+    # called alone, each still matches for itself
+    c = seq(range(10))
+    assert bm.can_allocate(c) and bm.match(c) == [bm.blocks[i] for i in a.block_table[:2]]
+    bm.allocate(c)
+    assert c.block_table[:2] == a.block_table[:2] and len(calls) == 4

@@ -85,19 +85,28 @@ class BlockManager:
             hits.append(self.blocks[bid])
         return hits
 
-    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        hits = self._match_prefix(seq) if seq.shareable else []
+    def match(self, seq: Sequence) -> list[Block]:
+        """The cached prefix blocks seq would share (none where it shares nothing). An admission
+        matches once and passes the result to `can_allocate` and `allocate`: hashing a 2k-token
+        prompt's 128 blocks three times an admission was the scheduler's own cost."""
+        return self._match_prefix(seq) if seq.shareable else []
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0, hits: list[Block] | None = None) -> bool:
+        """Whether seq's blocks fit with `reserve` blocks left over; `hits`: `match(seq)`, if
+        already made (the pool unchanged since)."""
+        hits = self.match(seq) if hits is None else hits
         need = self.blocks_for(len(seq.token_ids)) - len(hits) + sum(b.ref == 0 for b in hits)
         return need + reserve <= self.num_free
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its tokens, sharing cached prefix blocks; sets num_computed
-        to the tokens those blocks already hold."""
+    def allocate(self, seq: Sequence, hits: list[Block] | None = None) -> None:
+        """Give seq blocks for all its tokens, sharing cached prefix blocks (`hits`: `match(seq)`,
+        if already made, the pool unchanged since); sets num_computed to the tokens those blocks
+        already hold."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.id} already holds blocks")
-        if not self.can_allocate(seq):
+        hits = self.match(seq) if hits is None else hits
+        if not self.can_allocate(seq, hits=hits):
             raise NoFreeBlocks(f"sequence {seq.id} needs more KV blocks than are free")
-        hits = self._match_prefix(seq) if seq.shareable else []
         for b in hits:
             if b.ref == 0:
                 del self._free[b.id]

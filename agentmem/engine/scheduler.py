@@ -121,11 +121,12 @@ class Scheduler:
             plan = seq.parts is not None
             if plan and budget < full:
                 break  # a planner prefill runs alone in its step's prefill budget
-            if not self.blocks.can_allocate(seq, reserve=len(self.running)):
+            hits = self.blocks.match(seq)
+            if not self.blocks.can_allocate(seq, reserve=len(self.running), hits=hits):
                 break
             self.waiting.remove(seq)
             counts[seq.salt] += 1
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, hits)
             self.running.append(seq)
             n = seq.num_pending if plan else min(seq.num_pending, budget)
             batch.append(Scheduled(seq, n, plan))
