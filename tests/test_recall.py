@@ -4,6 +4,7 @@ diversity over sessions, and bad input."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -602,6 +603,31 @@ def test_the_week_after_an_event_is_found_through_the_events_own_date(store):
     five_k, climbing = ids["Yesterday I ran a 5k, long story"], ids["Yesterday I went climbing with my cousin"]
     assert five_k in ranked and "time" in hits[ranked.index(five_k)].retrievers
     assert climbing not in ranked or ranked.index(five_k) < ranked.index(climbing)
+
+
+def test_an_event_told_of_after_it_happened_dates_the_question_not_its_announcement(store):
+    from agentmem.tiers.recall import event_time
+
+    # the event's best match is the trip's announcement; the telling of it comes three weeks later
+    announce = [("Priya", "Lisbon trip booked!! off on Friday for my trip, two weeks of pastries", 0),
+                ("Tom", "Jealous", 0)]
+    early = [("Priya", "Yesterday I went climbing with my cousin", 4), ("Tom", "Sounds fun", 4)]
+    back = [("Priya", "Back home from my Lisbon trip now, miss the pastries already", 20), ("Tom", "Welcome back!", 20)]
+    after = [("Priya", "Yesterday I ran a 5k, long story", 24), ("Tom", "Wow, good for you", 24)]
+    ids = _conversation(store, sessions=[SMALL_TALK, announce, early, back, after])
+    question = "What did Priya do the week after her trip to Lisbon?"
+    event = store.search("default", "alice", "her trip to Lisbon Priya", k=3)
+    assert {ids[announce[0][1]], ids[back[0][1]]} <= {h.id for h in event}
+    assert event_time(event) == next(h.time for h in event if h.id == ids[back[0][1]])
+    hits = store.search("default", "alice", question, k=4)
+    ranked = [h.id for h in hits]
+    five_k, climbing = ids[after[0][1]], ids[early[0][1]]
+    assert five_k in ranked and "time" in hits[ranked.index(five_k)].retrievers
+    assert climbing not in ranked or ranked.index(five_k) < ranked.index(climbing)
+    # a weak second match does not move the date: the best hit's stands
+    weak = [h for h in event if h.id == ids[announce[0][1]]] + [
+        replace(h, score=0.1 * h.score) for h in event if h.id == ids[back[0][1]]]
+    assert event_time(weak) == weak[0].time
 
 
 def test_a_short_reply_comes_with_its_question_and_a_question_with_its_answer(store):
