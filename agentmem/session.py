@@ -129,19 +129,13 @@ class AgentSession:
                           extra_system=extra_system, copy_ngram=copy_ngram)[1]
 
     def _turn(self, text: str | bytes, max_tokens: int | None = None, temperature: float | None = None,
-              question_aware_tokens: int | None = None, *, top_p: float | None = None, top_k: int | None = None,
-              min_p: float | None = None, repetition_penalty: float | None = None,
-              frequency_penalty: float | None = None, presence_penalty: float | None = None,
-              logit_bias: dict[int, float] | None = None, logprobs: bool | None = None,
-              top_logprobs: int | None = None, stop: str | list[str] | None = None, seed: int | None = None,
-              grammar=None, extra_system: str | None = None, copy_ngram: int | None = None):
-        """The turn of `chat` and `chat_stream`: (the engine's generation, its pieces as stored)."""
+              question_aware_tokens: int | None = None, *, stop: str | list[str] | None = None,
+              extra_system: str | None = None, copy_ngram: int | None = None, **sampling):
+        """The turn of `chat` and `chat_stream` (`sampling`: the rest of `chat_stream`'s sampling
+        settings, which SamplingParams names alike): (the engine's generation, its pieces as stored)."""
         params = with_defaults(getattr(self.engine, "sampling_defaults", {}),
                                max_tokens=max_tokens or self.config.reply_tokens, temperature=temperature,
-                               top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                               frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                               logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs,
-                               stop=stop or [], seed=seed, grammar=grammar).validate()
+                               stop=stop or [], **sampling).validate()
         with self._lock:
             text = clean_text(text, "message")
             self.sync()
