@@ -507,135 +507,213 @@ def _fuse(
     drift: float = 0.0,
     clock: Clock | None = None,
 ) -> Fused:
+    """The prefill as its steps: place the cached K/V at their positions; plan which rows run
+    first; select the cached tokens to recompute (before any layer for `query` with no check
+    layer, else at the check layer, by the metric's scorer in `_SCORERS`); run the layers,
+    narrowing to the selected rows after the check layer; the last token's logits."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     check_blend_settings(metric, check_layer, drift, model.args.n_layers)
-    lap = clock.lap if clock is not None else _no_lap
-    a = model.args
-    dev = model.embed_tokens.weight.device
-    dtype = model.embed_tokens.weight.dtype
-    n_tok = len(ids)
-    pos = torch.arange(n_tok, device=dev)
-    k_all, v_all = kv_buffers((a.n_layers, n_tok, a.n_kv_heads, a.head_dim), dtype, dev)
-    cached = torch.zeros(n_tok, dtype=torch.bool, device=dev)
-    prefix = 0
-    for p in pieces if mode != "full" else []:
-        if p.kv is None:
-            continue
-        sl = slice(p.start, p.start + p.n)
-        place_k(model, p.kv.k.to(dev, dtype), pos[sl], out=k_all[:, sl])
-        v_all[:, sl] = p.kv.v.to(dev, dtype)
-        if p.exact:
-            if p.start != prefix:
-                raise ValueError("exact pieces must form a prefix of the prompt")
-            prefix = p.start + p.n
-        else:
-            cached[sl] = True
-    lap("place")
-    if prefix >= n_tok:  # the last token must run to give logits
-        prefix = n_tok - 1
-        cached[prefix:] = False
-    new = ~cached
-    new[:prefix] = False
-    new_idx = new.nonzero()[:, 0]
-    cached_idx = cached.nonzero()[:, 0]
-    last = torch.tensor([n_tok - 1], device=dev)
+    run = _Pass(model, ids, clock.lap if clock is not None else _no_lap)
+    run.place(pieces if mode != "full" else [])
     if metric == "auto":
-        metric = "query" if len(cached_idx) >= AUTO_QUERY_MIN_TOKENS else "v"
-    check_layer = resolve_check_layer(metric, check_layer)
-
-    if mode == "reuse":
-        rows, start = torch.unique(torch.cat([new_idx, last])), None
-    else:
-        rows, start = pos[prefix:], prefix
-    check = check_layer if mode == "blend" and len(cached_idx) else None
-    ids_t = torch.tensor(ids, device=dev)
-    picked: list[torch.Tensor] = []
-    drift_share = min(drift, ratio)  # the drift samples count inside the recompute budget
-    lap("select")
-    drifts = _Drift.sample(pieces, drift_share, n_tok, dev) if check is not None and drift_share > 0 else None
-    lap("drift")
-    unsel: torch.Tensor | None = None  # cached positions not recomputed, once the selection is made
-
-    def select() -> tuple[torch.Tensor, int | None, torch.Tensor]:
-        """The rows that run from here on (picked + uncached + last), their contiguous start
-        when that is every token after the prefix, and the cached tokens left out."""
-        sel = torch.unique(torch.cat([picked[0], new_idx, last]))
-        left = _unselected(cached, sel)
-        if drifts is not None:
-            drifts.bind(model, sel)
-        return sel, (prefix if len(sel) == n_tok - prefix else None), left
-
+        metric = "query" if len(run.cached_idx) >= AUTO_QUERY_MIN_TOKENS else "v"
+    check = run.plan(mode, resolve_check_layer(metric, check_layer), ratio, min(drift, ratio), pieces)
     if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
-        tail = torch.unique(torch.cat([new_idx, last]))
-        share = _probe(model, model.embed_tokens(ids_t[tail]), tail, k_all, v_all, 0)
-        lap("probe")
-        picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
-        rows, start, unsel = select()
-    h = model.embed_tokens(ids_t[rows])
-    new_k_raw = (torch.empty(a.n_layers, len(new_idx), a.n_kv_heads, a.head_dim, device=dev, dtype=dtype)
-                 if keep_raw else None)
-    new_rows = torch.searchsorted(rows, new_idx)
-
-    def row_tables(rows, start) -> tuple[tuple[torch.Tensor, torch.Tensor], RowAttention | None]:
-        """What every layer reuses while the rows stay the same: their RoPE tables, and the
-        attention plan when they are not one contiguous run."""
-        return model.rotary.cos_sin(rows), (None if start is not None
-                                            else RowAttention(rows, n_tok, dtype, window=a.sliding_window))
-
-    cos_sin, row_attn = row_tables(rows, start)
-    lap("select")
+        tail = run.tail()
+        run.select(_probe(model, model.embed_tokens(run.ids_t[tail]), tail, run.k_all, run.v_all, 0), "probe")
+    h = run.embed(keep_raw)
     for i, layer in enumerate(model.layers):
-        def attn(idx, q, k_raw, k_rot, v, rows=rows, start=start, row_attn=row_attn, new_rows=new_rows,
-                 unsel=unsel):
-            lap("layers")
-            k_l, v_l = k_all[idx], v_all[idx]
-            if idx == check and metric != "query":
-                crow = torch.searchsorted(rows, cached_idx)
-                d = _deviation(k_l[cached_idx], v_l[cached_idx], k_rot[crow], v[crow], metric)
-                if metric in ("attn", "vattn"):
-                    k_now = k_l.clone()
-                    k_now[start:] = k_rot
-                    share = _attention_share(q[new_rows], k_now, pos[new_idx], a.sliding_window)[cached_idx]
-                    d = share if metric == "attn" else d * share
-                picked.append(_pick(cached_idx, d, ratio, drifts))
-                lap("select")
-            if drifts is not None and unsel is not None and len(unsel):
-                drifts.apply(idx, k_raw, v, k_l, v_l)
-                lap("drift")
+        at_check = i == check
+        h = run.layer(i, layer, h, _SCORERS.get(metric) if at_check else None)
+        if at_check and metric == "query":
+            tail = run.tail()
+            run.pick(_probe(model, h[torch.searchsorted(run.rows, tail)], tail, run.k_all, run.v_all, i + 1), "probe")
+        if at_check and i + 1 < model.args.n_layers:
+            h = run.narrow(h)  # everything picked: the contiguous path again where it can
+    return run.finish(h)
+
+
+def _deviation_score(metric: str):
+    """A scorer for the check layer, one score per cached token: the deviation of the rows'
+    fresh K and/or V from its cached K/V (CacheBlend's rule), or the question's attention
+    share there (`attn`), or both multiplied (`vattn`)."""
+    def score(run: _Pass, q, k_rot, v, k_l, v_l) -> torch.Tensor:
+        crow = torch.searchsorted(run.rows, run.cached_idx)
+        d = _deviation(k_l[run.cached_idx], v_l[run.cached_idx], k_rot[crow], v[crow], metric)
+        if metric in ("attn", "vattn"):
+            k_now = k_l.clone()
+            k_now[run.start:] = k_rot
+            share = _attention_share(q[run.new_rows], k_now, run.pos[run.new_idx],
+                                     run.model.args.sliding_window)[run.cached_idx]
+            d = share if metric == "attn" else d * share
+        return d
+    return score
+
+
+# What ranks the cached tokens, read inside the check layer's attention (before its fresh K/V
+# overwrite the cached); `query` ranks them after the layer, by `_probe`, and has no entry.
+_SCORERS = {m: _deviation_score(m) for m in ("k", "v", "kv", "attn", "vattn")}
+
+
+class _Pass:
+    """One prefill's state, phase by phase (`_fuse`): the K/V buffers, which positions are
+    cached, the rows that run (`rows`, and `start` when they are every token from there on),
+    the selection, the drift samples and what every layer reuses while the rows stay the
+    same (their RoPE tables and attention plan)."""
+
+    def __init__(self, model: Transformer, ids: list[int], lap):
+        self.model, self.lap = model, lap
+        a = model.args
+        self.dev = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.n_tok = len(ids)
+        self.pos = torch.arange(self.n_tok, device=self.dev)
+        self.k_all, self.v_all = kv_buffers((a.n_layers, self.n_tok, a.n_kv_heads, a.head_dim), self.dtype, self.dev)
+        self.cached = torch.zeros(self.n_tok, dtype=torch.bool, device=self.dev)
+        self.ids_t = torch.tensor(ids, device=self.dev)
+        self.last = torch.tensor([self.n_tok - 1], device=self.dev)
+        self.picked: list[torch.Tensor] = []
+        self.drifts: _Drift | None = None
+        self.unsel: torch.Tensor | None = None  # cached positions not recomputed, once selected
+        self.new_k_raw: torch.Tensor | None = None
+
+    def place(self, pieces: list[Piece]) -> None:
+        """Phase 1: each piece's cached K rotated to its positions and its V, into the buffers;
+        `prefix` is where the exact pieces end (never recomputed), `cached` the rest placed."""
+        prefix = 0
+        for p in pieces:
+            if p.kv is None:
+                continue
+            sl = slice(p.start, p.start + p.n)
+            place_k(self.model, p.kv.k.to(self.dev, self.dtype), self.pos[sl], out=self.k_all[:, sl])
+            self.v_all[:, sl] = p.kv.v.to(self.dev, self.dtype)
+            if p.exact:
+                if p.start != prefix:
+                    raise ValueError("exact pieces must form a prefix of the prompt")
+                prefix = p.start + p.n
+            else:
+                self.cached[sl] = True
+        self.lap("place")
+        if prefix >= self.n_tok:  # the last token must run to give logits
+            prefix = self.n_tok - 1
+            self.cached[prefix:] = False
+        new = ~self.cached
+        new[:prefix] = False
+        self.prefix = prefix
+        self.new_idx = new.nonzero()[:, 0]
+        self.cached_idx = self.cached.nonzero()[:, 0]
+
+    def plan(self, mode: str, check_layer: int | None, ratio: float, drift_share: float,
+             pieces: list[Piece]) -> int | None:
+        """Phase 2: the rows that run first (`reuse`: the uncached ones and the last; else every
+        token after the prefix) and the check layer where a blend selects (None: no selection);
+        the drift samples, which count inside the recompute budget."""
+        if mode == "reuse":
+            self.rows, self.start = torch.unique(torch.cat([self.new_idx, self.last])), None
+        else:
+            self.rows, self.start = self.pos[self.prefix:], self.prefix
+        self.ratio = ratio
+        check = check_layer if mode == "blend" and len(self.cached_idx) else None
+        self.lap("select")
+        if check is not None and drift_share > 0:
+            self.drifts = _Drift.sample(pieces, drift_share, self.n_tok, self.dev)
+        self.lap("drift")
+        return check
+
+    def tail(self) -> torch.Tensor:
+        """The uncached tokens and the last: the question the `query` probe runs."""
+        return torch.unique(torch.cat([self.new_idx, self.last]))
+
+    def pick(self, score: torch.Tensor, part: str | None) -> None:
+        """The top `ratio` of the cached tokens by `score`, drift samples always among them.
+        `score`: one per cached token (a scorer's), or one per position where `part` is
+        "probe" (the probe's share of every key); `part`: the clock's part for the time up
+        to here (None: no lap)."""
+        if part is not None:
+            self.lap(part)
+        if part == "probe":
+            score = score[self.cached_idx]
+        self.picked.append(_pick(self.cached_idx, score, self.ratio, self.drifts))
+
+    def select(self, score: torch.Tensor, part: str) -> None:
+        """`pick`, and the rows run from here on: picked + uncached + last."""
+        self.pick(score, part)
+        self._narrow_rows()
+
+    def _narrow_rows(self) -> None:
+        sel = torch.unique(torch.cat([self.picked[0], self.new_idx, self.last]))
+        self.unsel = _unselected(self.cached, sel)
+        if self.drifts is not None:
+            self.drifts.bind(self.model, sel)
+        self.rows, self.start = sel, (self.prefix if len(sel) == self.n_tok - self.prefix else None)
+
+    def embed(self, keep_raw: bool) -> torch.Tensor:
+        """The rows' embeddings, and what every layer reuses while the rows stay the same."""
+        a = self.model.args
+        h = self.model.embed_tokens(self.ids_t[self.rows])
+        if keep_raw:
+            self.new_k_raw = torch.empty(a.n_layers, len(self.new_idx), a.n_kv_heads, a.head_dim, device=self.dev,
+                                         dtype=self.dtype)
+        self._row_tables()
+        return h
+
+    def _row_tables(self) -> None:
+        """The rows' RoPE tables, and their attention plan when they are not one contiguous run."""
+        self.new_rows = torch.searchsorted(self.rows, self.new_idx)
+        self.cos_sin = self.model.rotary.cos_sin(self.rows)
+        self.row_attn = None if self.start is not None else RowAttention(
+            self.rows, self.n_tok, self.dtype, window=self.model.args.sliding_window)
+        self.lap("select")
+
+    def narrow(self, h: torch.Tensor) -> torch.Tensor:
+        """After the check layer: only the selected rows run on."""
+        old = self.rows
+        self._narrow_rows()
+        h = h[torch.searchsorted(old, self.rows)]
+        self._row_tables()
+        return h
+
+    def layer(self, idx: int, layer, h: torch.Tensor, scorer) -> torch.Tensor:
+        """Phase 3, one layer over the rows: `scorer` (at the check layer) ranks the cached
+        tokens from their fresh K/V before it overwrites the cached; the drift correction
+        shifts the tokens not recomputed; the rows' K/V are written and attended."""
+        def attn(idx, q, k_raw, k_rot, v):
+            self.lap("layers")
+            k_l, v_l = self.k_all[idx], self.v_all[idx]
+            if scorer is not None:
+                self.pick(scorer(self, q, k_rot, v, k_l, v_l), None)
+                self.lap("select")
+            if self.drifts is not None and self.unsel is not None and len(self.unsel):
+                self.drifts.apply(idx, k_raw, v, k_l, v_l)
+                self.lap("drift")
+            start = self.start
             if start is not None:
                 k_l[start:] = k_rot
                 v_l[start:] = v
             else:
-                k_l.index_copy_(0, rows, k_rot)
-                v_l.index_copy_(0, rows, v)
-            if new_k_raw is not None:
-                new_k_raw[idx] = k_raw[new_rows]
+                k_l.index_copy_(0, self.rows, k_rot)
+                v_l.index_copy_(0, self.rows, v)
+            if self.new_k_raw is not None:
+                self.new_k_raw[idx] = k_raw[self.new_rows]
             if start is not None:
-                out = attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start, a.sliding_window)
+                out = attend_chunk(q, k_l[: start + len(q)], v_l[: start + len(q)], start,
+                                   self.model.args.sliding_window)
             else:
-                out = row_attn(q, k_l, v_l)
-            lap("attention")
+                out = self.row_attn(q, k_l, v_l)
+            self.lap("attention")
             return out
 
-        h = layer(h, rows, model.rotary, attn, cos_sin)
-        lap("layers")
-        if i == check and metric == "query":
-            tail = torch.unique(torch.cat([new_idx, last]))
-            share = _probe(model, h[torch.searchsorted(rows, tail)], tail, k_all, v_all, i + 1)
-            lap("probe")
-            picked.append(_pick(cached_idx, share[cached_idx], ratio, drifts))
-        if i == check and i + 1 < a.n_layers:
-            sel, start, unsel = select()  # everything picked: the contiguous path again
-            h = h[torch.searchsorted(rows, sel)]
-            rows = sel
-            new_rows = torch.searchsorted(rows, new_idx)
-            cos_sin, row_attn = row_tables(rows, start)
-            lap("select")
-    ran = torch.zeros(n_tok, dtype=torch.bool, device=dev)
-    ran[rows] = True
-    logits = model.logits(h[-1:])[0]
-    lap("logits")
-    return Fused(k_all, v_all, logits, ran, new_k_raw, new_idx)
+        h = layer(h, self.rows, self.model.rotary, attn, self.cos_sin)
+        self.lap("layers")
+        return h
+
+    def finish(self, h: torch.Tensor) -> Fused:
+        """Phase 4: which tokens ran, and the last token's logits."""
+        ran = torch.zeros(self.n_tok, dtype=torch.bool, device=self.dev)
+        ran[self.rows] = True
+        logits = self.model.logits(h[-1:])[0]
+        self.lap("logits")
+        return Fused(self.k_all, self.v_all, logits, ran, self.new_k_raw, self.new_idx)
