@@ -225,6 +225,43 @@ def test_planner_errors_reach_the_caller(engine):
     assert engine.generate(chat(engine, "hello"), max_tokens=2).stats.completion_tokens >= 1
 
 
+class _OnlyHost:
+    """The members `LoopHost` names, and no others: a loop that reached for anything else of
+    the engine (its private planner, its tokenizer) would raise AttributeError here."""
+
+    __slots__ = ("model", "device", "kv_dtype", "config", "eos_ids", "decode", "plan_prefill")
+
+    def __init__(self, engine):
+        for name in self.__slots__:
+            setattr(self, name, getattr(engine, name))
+
+
+def test_the_loop_uses_only_what_loophost_names(engine):
+    prompt = chat(engine, "Describe a quiet morning.")
+    plain = engine.generate(prompt, max_tokens=10)
+    loop = EngineLoop(_OnlyHost(engine), pool_tokens=1024)
+    try:
+        assert engine.generate(prompt, max_tokens=10, loop=loop).token_ids == plain.token_ids
+        calls = []
+
+        def planner(eng, parts):
+            ids = [t for p in parts for t in p[0]]
+            kv = DenseKV(eng.model, len(ids), eng.device, eng.dtype)
+            calls.append(len(ids))
+            return PrefillResult(kv.k, kv.v, eng.prefill_dense(ids, kv), prefilled=len(ids))
+
+        engine.set_prefill_planner(planner)  # the loop asks the engine's plan_prefill, set or not
+        try:
+            assert engine.generate(prompt, max_tokens=10, loop=loop).token_ids == plain.token_ids
+        finally:
+            engine.set_prefill_planner(None)
+        assert calls == [plain.stats.prompt_tokens]
+    finally:
+        loop.close()
+    with pytest.raises(RuntimeError, match="no prefill planner"):
+        engine.plan_prefill(engine.tokenize_prompt(prompt))
+
+
 def test_seeded_sampling_is_reproducible(engine):
     prompt = engine.chat_segments(STORY)
     a = engine.generate(prompt, max_tokens=12, temperature=0.9, top_p=0.9, seed=7)

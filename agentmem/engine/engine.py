@@ -31,6 +31,7 @@ from .loop import EngineLoop
 from .measured import cpu_flags
 from .model import Transformer, load_transformer
 from .model_runner import attend_chunk
+from .results import Generation, GenerationStats  # noqa: F401 (GenerationStats: re-exported, its old home)
 from .sampler import SamplingParams
 from .sequence import Sequence
 from .threads import TRACE_LOCK, release_omp_pool
@@ -65,31 +66,6 @@ class PrefillResult:
 
 # planner(engine, [(ids, cacheable, segment)]) -> PrefillResult
 PrefillPlanner = Callable[["Engine", list[tuple[list[int], bool, Segment]]], PrefillResult]
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
-    prefilled_tokens: int = 0
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    finish_reason: str = ""
-    segments: list[dict] = field(default_factory=list)
-
-    @property
-    def cache_hit_ratio(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # per token: id, logprob, top alternatives
 
 
 def pick_device(name: str) -> torch.device:
@@ -289,6 +265,13 @@ class Engine(ChatText):
 
     def set_prefill_planner(self, planner: PrefillPlanner | None) -> None:
         self._planner = planner
+
+    def plan_prefill(self, parts: list[tuple[list[int], bool, Segment]]) -> PrefillResult:
+        """The K/V and last logits of a prompt's `parts` from the prefill planner (the engine
+        loop asks, for a sequence submitted with cacheable segments while one was set)."""
+        if self._planner is None:
+            raise RuntimeError("no prefill planner is set (set_prefill_planner)")
+        return self._planner(self, parts)
 
     def tokenize_prompt(self, prompt: str | Seq[int] | Seq[Segment]) -> list[tuple[list[int], bool, Segment]]:
         if isinstance(prompt, str):

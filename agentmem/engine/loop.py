@@ -13,7 +13,8 @@ import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -23,13 +24,33 @@ from .cuda_graph import GraphDecode
 from .detokenize import ReplyText
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
+from .results import Generation, GenerationStats
 from .sampler import argmax, penalize, sample_row, top_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .threads import TRACE_LOCK, release_omp_pool
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..config import Config
+    from .engine import PrefillResult
+    from .model import Transformer
+
+
+class LoopHost(Protocol):
+    """What an `EngineLoop` uses of the engine it serves, and nothing more: the model and where
+    it runs, the sizes in its config, its stop tokens, its detokenizer, and its prefill planner
+    (`plan_prefill`: the K/V of a prompt with cacheable segments). The engine owns the loop;
+    the loop reaches back only through these members (`Engine` has them)."""
+
+    model: Transformer
+    device: torch.device
+    kv_dtype: torch.dtype
+    config: Config
+    eos_ids: set[int]
+
+    def decode(self, ids: Seq[int]) -> str: ...
+
+    def plan_prefill(self, parts: list) -> PrefillResult: ...
 
 # Loops whose thread may be running. The thread is a daemon (an app need not close the engine),
 # and a process that exited while it was still finishing a step aborted about every other run
@@ -54,7 +75,7 @@ atexit.register(close_all)
 class EngineLoop:
     def __init__(
         self,
-        engine: Engine,
+        engine: LoopHost,
         *,
         block_size: int | None = None,
         pool_tokens: int | None = None,
@@ -191,7 +212,7 @@ class EngineLoop:
         """Fill the sequence's blocks with the planner's K/V; its last logits come back."""
         seq, e = sc.seq, self.engine
         try:
-            r = e._planner(e, seq.parts)
+            r = e.plan_prefill(seq.parts)
             n = r.k[0].shape[0]
             if n != seq.num_pending:
                 raise ValueError(f"the prefill planner returned K/V for {n} tokens, the prompt has {seq.num_pending}")
@@ -311,8 +332,6 @@ class EngineLoop:
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        from .engine import Generation, GenerationStats
-
         self.scheduler.remove(seq)
         if len(seq.text) > seq.emitted:
             seq.out.put(seq.text[seq.emitted :])
@@ -331,7 +350,7 @@ class EngineLoop:
         seq.out.put(Generation(seq.text, list(seq.generated), stats, list(seq.logprobs) if seq.params.logprobs else None))
 
 
-def compiled_decode(engine: Engine, pool: KVPool) -> CompiledDecode | GraphDecode | None:
+def compiled_decode(engine: LoopHost, pool: KVPool) -> CompiledDecode | GraphDecode | None:
     """The compiled decode step the config asks for. On the CPU: `compile` auto (each bucket
     kept compiled only where its steps measure faster than eager), on (always compiled), off.
     On CUDA, auto and on replay the whole step from captured CUDA graphs (cuda_graph.py; a

@@ -42,8 +42,9 @@ import httpx
 
 from ..config import Config
 from .defaults import sampling_defaults
-from .engine import ChatText, Generation, GenerationStats, Segment
+from .engine import ChatText, Segment
 from .errors import EmptyPrompt, EngineUnavailable, PromptTooLong
+from .results import Generation, GenerationStats
 from .sampler import SamplingParams
 from .tokenizer import ChatFormat, chat_format, load_tokenizer
 
