@@ -328,11 +328,12 @@ def _hit(item: Memory | Message, chunk: int = 0, context: str | None = None) -> 
     if isinstance(item, Message):
         pieces = chunk_text(item.text)
         compressed = item.compressed_text if len(pieces) == 1 else None
-        return Hit(item.id, "message", pieces[chunk], 0.0, 0.0, item.time, [item.id], item.role,
-                   item.session_id, 0.5, chunk, compressed, name=item.name, context=context,
+        return Hit(id=item.id, kind="message", text=pieces[chunk], score=0.0, similarity=0.0, time=item.time,
+                   source_ids=[item.id], role=item.role, session_id=item.session_id, importance=0.5, chunk=chunk,
+                   compressed_text=compressed, name=item.name, context=context,
                    keys=item.keys if chunk == 0 else None)  # as recall builds it
-    return Hit(item.id, item.kind, item.text, 0.0, 0.0, item.time, list(item.source_ids),
-               importance=item.importance, compressed_text=item.compressed_text)
+    return Hit(id=item.id, kind=item.kind, text=item.text, score=0.0, similarity=0.0, time=item.time,
+               source_ids=list(item.source_ids), importance=item.importance, compressed_text=item.compressed_text)
 
 
 def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int, compressed: bool = False) -> list[Segment]:

@@ -188,7 +188,7 @@ class Archive:
     def list_tenants(self) -> list[R.Tenant]:
         with self.tx() as s:
             rows = s.scalars(select(TenantRow).order_by(TenantRow.created_at, TenantRow.id))
-            return [R.Tenant(r.id, r.name, from_db_time(r.created_at)) for r in rows]
+            return [R.Tenant(id=r.id, name=r.name, created_at=from_db_time(r.created_at)) for r in rows]
 
     def delete_tenant(self, tenant_id: str) -> None:
         with self.tx() as s:
@@ -280,7 +280,7 @@ class Archive:
     def list_users(self, tenant_id: str) -> list[R.User]:
         with self.tx() as s:
             rows = s.scalars(select(UserRow).where(UserRow.tenant_id == tenant_id).order_by(UserRow.id))
-            return [R.User(r.id, r.tenant_id, from_db_time(r.created_at)) for r in rows]
+            return [R.User(id=r.id, tenant_id=r.tenant_id, created_at=from_db_time(r.created_at)) for r in rows]
 
     def delete_user(self, tenant_id: str, user_id: str) -> None:
         with self.tx() as s:
@@ -340,7 +340,8 @@ class Archive:
     def _session_info(self, s: Session, row: SessionRow) -> R.SessionInfo:
         n = s.scalar(select(func.count()).select_from(MessageRow).where(
             MessageRow.tenant_id == row.tenant_id, MessageRow.user_id == row.user_id, MessageRow.session_id == row.id))
-        return R.SessionInfo(row.id, row.user_id, row.agent_id, from_db_time(row.created_at), int(n or 0))
+        return R.SessionInfo(id=row.id, user_id=row.user_id, agent_id=row.agent_id,
+                             created_at=from_db_time(row.created_at), message_count=int(n or 0))
 
     def _check_session(self, s: Session, tenant_id: str, user_id: str, session_id: str) -> None:
         if s.get(SessionRow, (tenant_id, user_id, session_id)) is None:
@@ -631,7 +632,8 @@ class Archive:
         with self.tx() as s:
             rows = s.scalars(select(CoreBlockRow).where(CoreBlockRow.tenant_id == tenant_id,
                                                         CoreBlockRow.user_id == user_id).order_by(CoreBlockRow.label))
-            return [R.CoreBlock(r.label, r.value, r.char_limit, from_db_time(r.updated_at), r.version) for r in rows]
+            return [R.CoreBlock(label=r.label, value=r.value, limit=r.char_limit, updated_at=from_db_time(r.updated_at),
+                                version=r.version) for r in rows]
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
                        limit: int | None = None, create_user: bool = True,
@@ -679,14 +681,16 @@ class Archive:
                                    new_value=value))
             row.value, row.updated_at = value, utcnow()
         s.flush()
-        return R.CoreBlock(row.label, row.value, row.char_limit, from_db_time(row.updated_at), row.version)
+        return R.CoreBlock(label=row.label, value=row.value, limit=row.char_limit,
+                           updated_at=from_db_time(row.updated_at), version=row.version)
 
     def core_block_history(self, tenant_id: str, user_id: str, label: str | None = None) -> list[R.CoreBlockEdit]:
         q = select(CoreBlockEditRow).where(CoreBlockEditRow.tenant_id == tenant_id, CoreBlockEditRow.user_id == user_id)
         if label is not None:
             q = q.where(CoreBlockEditRow.label == label)
         with self.tx() as s:
-            return [R.CoreBlockEdit(r.id, r.label, r.old_value, r.new_value, from_db_time(r.created_at))
+            return [R.CoreBlockEdit(id=r.id, label=r.label, old_value=r.old_value, new_value=r.new_value,
+                                    created_at=from_db_time(r.created_at))
                     for r in s.scalars(q.order_by(CoreBlockEditRow.id))]
 
     # --- summaries and turns -----------------------------------------------------------------
@@ -710,7 +714,7 @@ class Archive:
             row = TurnRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, trace=trace)
             s.add(row)
             s.flush()
-            return R.Turn(row.id, row.session_id, row.trace, from_db_time(row.created_at))
+            return R.Turn(id=row.id, session_id=row.session_id, trace=row.trace, created_at=from_db_time(row.created_at))
 
     def looped_replies(self, tenant_id: str, user_id: str) -> set[int]:
         """Ids of the user's stored replies that the engine's loop detector cut (their turn's
@@ -735,7 +739,7 @@ class Archive:
             q = q.where(TurnRow.session_id == session_id)
         with self.tx() as s:
             rows = list(s.scalars(q.order_by(TurnRow.id.desc()).limit(limit)))
-            return [R.Turn(r.id, r.session_id, r.trace, from_db_time(r.created_at)) for r in reversed(rows)]
+            return [R.Turn(id=r.id, session_id=r.session_id, trace=r.trace, created_at=from_db_time(r.created_at)) for r in reversed(rows)]
 
 
 def _sqlite_pragmas(dbapi_conn, sync: str) -> None:
@@ -792,18 +796,21 @@ def _importance(value) -> float:
 
 
 def _message(r: MessageRow) -> R.Message:
-    return R.Message(r.id, r.session_id, r.role, r.text, from_db_time(r.created_at), from_db_time(r.event_time),
-                     r.compressed_text, r.name, r.keys)
+    return R.Message(id=r.id, session_id=r.session_id, role=r.role, text=r.text,
+                     created_at=from_db_time(r.created_at), event_time=from_db_time(r.event_time),
+                     compressed_text=r.compressed_text, name=r.name, keys=r.keys)
 
 
 def _memory(r: MemoryRow) -> R.Memory:
-    return R.Memory(r.id, r.user_id, r.kind, r.text, r.compressed_text, r.importance, r.status, r.superseded_by,
-                    list(r.source_ids or []), from_db_time(r.event_time), from_db_time(r.created_at),
-                    from_db_time(r.updated_at))
+    return R.Memory(id=r.id, user_id=r.user_id, kind=r.kind, text=r.text, compressed_text=r.compressed_text,
+                    importance=r.importance, status=r.status, superseded_by=r.superseded_by,
+                    source_ids=list(r.source_ids or []), event_time=from_db_time(r.event_time),
+                    created_at=from_db_time(r.created_at), updated_at=from_db_time(r.updated_at))
 
 
 def _summary(r: SummaryRow) -> R.Summary:
-    return R.Summary(r.id, r.session_id, r.text, r.upto_message_id, from_db_time(r.created_at))
+    return R.Summary(id=r.id, session_id=r.session_id, text=r.text, upto_message_id=r.upto_message_id,
+                     created_at=from_db_time(r.created_at))
 
 
 def _add_once(s: Session, row) -> bool:

@@ -1106,8 +1106,9 @@ class Recall:
         found = sorted(c.ranks, key=_LABELS.index)
         if c.kind == _MEMORY:
             m = mems[c.row_id]
-            return Hit(m.id, m.kind, m.text, c.score, c.similarity, m.time, list(m.source_ids),
-                       importance=m.importance, compressed_text=m.compressed_text, retrievers=found)
+            return Hit(id=m.id, kind=m.kind, text=m.text, score=c.score, similarity=c.similarity, time=m.time,
+                       source_ids=list(m.source_ids), importance=m.importance, compressed_text=m.compressed_text,
+                       retrievers=found)
         msg = texts[c.row_id]
         pieces = chunk_text(msg.text)
         chunk = min(c.chunk, len(pieces) - 1)
@@ -1115,9 +1116,10 @@ class Recall:
         if "dense" not in c.ranks and qvec is not None:  # found otherwise: its cosine, for the record
             vid = ui.vid_of((_MESSAGE, msg.id, chunk, _VIEW_TEXT))
             sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
-        return Hit(msg.id, "message", pieces[chunk], c.score, sim, msg.time, [msg.id], msg.role, msg.session_id,
-                   0.5, chunk, msg.compressed_text if len(pieces) == 1 else None, retrievers=found, name=msg.name,
-                   context=near.get(msg.id), keys=msg.keys if chunk == 0 else None)
+        return Hit(id=msg.id, kind="message", text=pieces[chunk], score=c.score, similarity=sim, time=msg.time,
+                   source_ids=[msg.id], role=msg.role, session_id=msg.session_id, importance=0.5, chunk=chunk,
+                   compressed_text=msg.compressed_text if len(pieces) == 1 else None, retrievers=found,
+                   name=msg.name, context=near.get(msg.id), keys=msg.keys if chunk == 0 else None)
 
 
 def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery, specific: dict[int, float]) -> float:
