@@ -122,11 +122,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return cpu_gemv.rope(lib, x, cos, sin)
     if cpu_avx2.rope_usable(x, cos) and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded()):
         return cpu_avx2.rope(lib, x, cos, sin)  # fp32 rows (AVX2): the same, one thread (2,048 rows 0.25 ms, torch 1.4)
-    hd = x.shape[-1]
     xf = x if x.dtype == torch.float32 else x.float()
-    swapped = xf.view(*x.shape[:-1], 2, hd // 2).flip(-2).view(x.shape)
-    out = torch.addcmul(xf * cos[:, None, :], swapped, sin[:, None, :])
+    out = torch.addcmul(xf * cos[:, None, :], half_swapped(xf), sin[:, None, :])
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def half_swapped(x: torch.Tensor) -> torch.Tensor:
+    """Rotate-half's partner of each lane: the two halves of the last dimension swapped (the
+    signed sin table of `Rotary.cos_sin` carries the minus), so RoPE at p is
+    x * cos(p) + half_swapped(x) * sin(p). Also how the kvreuse drift rotates a constant."""
+    hd = x.shape[-1]
+    return x.view(*x.shape[:-1], 2, hd // 2).flip(-2).view(x.shape)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..engine.kernels import cpu_avx2, cpu_gemv, rope, selected_attention
 from ..engine.kernels.reference import sdpa
-from ..engine.layers import visible
+from ..engine.layers import half_swapped, visible
 from ..engine.model import Transformer
 from ..engine.model_runner import attend_chunk
 from ..engine.threads import TRACE_LOCK
@@ -461,8 +461,7 @@ class _Drift:
         if self.lib is not None and cpu_gemv.drift_usable(k_l):
             cpu_gemv.drift(self.lib, k_l, v_l, self.span_t, dk, dv, *self.tables)
             return
-        hd = dk.shape[-1]
-        swapped = dk.view(*shape[:-1], 2, hd // 2).flip(-2).view(shape)  # rotate-half's partner of each lane
+        swapped = half_swapped(dk)
         cos, sin = self.tables
         for g, (lo, hi) in enumerate(self.spans):
             k_g = k_l[lo:hi]
