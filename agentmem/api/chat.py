@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from ..config import Config
+from ..engine.results import ReuseShare
 from ..engine.sampler import with_defaults
 from .errors import ApiError
 from .limits import Limits
@@ -32,7 +33,7 @@ MAX_OPEN_SESSIONS = 256
 
 
 @dataclass
-class TurnResult:
+class TurnResult(ReuseShare):
     """What a finished turn reports, whichever path served it."""
 
     text: str = ""
@@ -47,10 +48,6 @@ class TurnResult:
     memories_used: list[str] = field(default_factory=list)
     engine_finish: str = ""  # the engine's reason, "repetition" included
     logprobs: list | None = None  # per token: (id, logprob, [(id, logprob)])
-
-    @property
-    def cache_hit_ratio(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass

@@ -6,8 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class ReuseShare:
+    """`cache_hit_ratio` for a record of token counts: the share of the prompt's tokens whose
+    K/V came from the chunk cache (GenerationStats, and the API's TurnResult)."""
+
+    reused_tokens: int
+    prompt_tokens: int
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
 @dataclass
-class GenerationStats:
+class GenerationStats(ReuseShare):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reused_tokens: int = 0
@@ -17,10 +29,6 @@ class GenerationStats:
     total_s: float = 0.0
     finish_reason: str = ""
     segments: list[dict] = field(default_factory=list)
-
-    @property
-    def cache_hit_ratio(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass
