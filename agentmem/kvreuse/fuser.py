@@ -522,14 +522,16 @@ def _fuse(
     check = run.plan(mode, resolve_check_layer(metric, check_layer), ratio, min(drift, ratio), pieces)
     if check == -1:  # no layer runs every token: the probe reads the cached KV from layer 0 on
         tail = run.tail()
-        run.select(_probe(model, model.embed_tokens(run.ids_t[tail]), tail, run.k_all, run.v_all, 0), "probe")
+        share = _probe(model, model.embed_tokens(run.ids_t[tail]), tail, run.k_all, run.v_all, 0)
+        run.select(share[run.cached_idx], "probe")
     h = run.embed(keep_raw)
     for i, layer in enumerate(model.layers):
         at_check = i == check
-        h = run.layer(i, layer, h, _SCORERS.get(metric) if at_check else None)
+        h = run.layer(layer, h, _SCORERS.get(metric) if at_check else None)
         if at_check and metric == "query":
             tail = run.tail()
-            run.pick(_probe(model, h[torch.searchsorted(run.rows, tail)], tail, run.k_all, run.v_all, i + 1), "probe")
+            share = _probe(model, h[torch.searchsorted(run.rows, tail)], tail, run.k_all, run.v_all, i + 1)
+            run.pick(share[run.cached_idx], "probe")
         if at_check and i + 1 < model.args.n_layers:
             h = run.narrow(h)  # everything picked: the contiguous path again where it can
     return run.finish(h)
@@ -627,14 +629,10 @@ class _Pass:
         return torch.unique(torch.cat([self.new_idx, self.last]))
 
     def pick(self, score: torch.Tensor, part: str | None) -> None:
-        """The top `ratio` of the cached tokens by `score`, drift samples always among them.
-        `score`: one per cached token (a scorer's), or one per position where `part` is
-        "probe" (the probe's share of every key); `part`: the clock's part for the time up
-        to here (None: no lap)."""
+        """The top `ratio` of the cached tokens by `score` (one per cached token), drift samples
+        always among them; `part`: the clock's part for the time up to here (None: no lap)."""
         if part is not None:
             self.lap(part)
-        if part == "probe":
-            score = score[self.cached_idx]
         self.picked.append(_pick(self.cached_idx, score, self.ratio, self.drifts))
 
     def select(self, score: torch.Tensor, part: str) -> None:
@@ -675,7 +673,7 @@ class _Pass:
         self._row_tables()
         return h
 
-    def layer(self, idx: int, layer, h: torch.Tensor, scorer) -> torch.Tensor:
+    def layer(self, layer, h: torch.Tensor, scorer) -> torch.Tensor:
         """Phase 3, one layer over the rows: `scorer` (at the check layer) ranks the cached
         tokens from their fresh K/V before it overwrites the cached; the drift correction
         shifts the tokens not recomputed; the rows' K/V are written and attended."""
