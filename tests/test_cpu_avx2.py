@@ -414,31 +414,108 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
     assert calls == [] and model._avx2_layers is False
 
 
-def test_rows_attention_of_fp32_rows_matches_sdpa_on_avx512_and_the_avx2_build_declines(cache):
-    """The AVX-512 build's causal attention of fp32 query rows (prefill chunks, a blend's
-    recomputed rows) against torch's SDPA with the causal mask of their positions: one row and one
-    key, ragged row blocks (not a multiple of 8), GQA groups of 1-4, head dims 16-128, rows
-    anywhere among the keys. The AVX2 build has no such kernel: None, and the caller runs SDPA."""
+def test_rows_attention_of_fp32_rows_matches_sdpa_on_both_builds(cache):
+    """Each build's causal attention of fp32 query rows (prefill chunks, a blend's recomputed rows)
+    against torch's SDPA with the causal mask of their positions: one row and one key, ragged row
+    blocks (not a multiple of 8, nor of the AVX2 build's 4-row halves), GQA groups of 1-4, head dims
+    16-256, rows anywhere among the keys. The AVX-512 build is checked where the CPU has AVX-512."""
     from agentmem.engine.kernels.reference import sdpa
 
-    plain, why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, cpu_avx2._AVX2_FLAGS, cpu_avx2._SIGNATURES, cache)
-    assert plain is not None, why
-    x = torch.randn(3, 9, 64)
-    assert cpu_avx2.rows_attention(plain, x, torch.randn(5, 3, 64), torch.randn(5, 3, 64), torch.arange(2, 5)) is None
-    if not cpu_avx2.avx512bw_ok():
-        pytest.skip("the CPU has no AVX-512")
-    lib, why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, cpu_avx2._AVX2_FLAGS + cpu_avx2.AVX512BW_FLAGS,
-                              cpu_avx2._SIGNATURES, cache)
-    assert lib is not None, why
+    builds = [cpu_avx2._AVX2_FLAGS] + ([cpu_avx2._AVX2_FLAGS + cpu_avx2.AVX512BW_FLAGS] if cpu_avx2.avx512bw_ok() else [])
     g = torch.Generator().manual_seed(7)
-    for nq, t, h, kv, hd in [(1, 1, 9, 3, 64), (7, 20, 9, 3, 64), (33, 100, 4, 4, 16), (50, 300, 8, 2, 128),
-                             (17, 17, 6, 3, 32), (130, 700, 9, 3, 64)]:
+    for flags in builds:
+        lib, why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, flags, cpu_avx2._SIGNATURES, cache)
+        assert lib is not None, why
+        for nq, t, h, kv, hd in [(1, 1, 9, 3, 64), (7, 20, 9, 3, 64), (33, 100, 4, 4, 16), (50, 300, 8, 2, 128),
+                                 (17, 17, 6, 3, 32), (130, 700, 9, 3, 64), (9, 9, 9, 3, 64), (6, 40, 2, 1, 256)]:
+            pos = torch.sort(torch.randperm(t, generator=g)[:nq]).values
+            q, k, v = (torch.randn(n, m, hd, generator=g) for n, m in ((nq, h), (t, kv), (t, kv)))
+            ref = sdpa(q, k, v, torch.arange(t)[None, :] <= pos[:, None])
+            out = cpu_avx2.rows_attention(lib, q, k, v, pos)
+            assert out is not None and out.shape == ref.shape
+            assert (out - ref).abs().max() < 1e-5, (flags, nq, t, h, kv, hd)
+        # shapes it does not take: None, not a wrong answer
+        assert cpu_avx2.rows_attention(lib, torch.randn(2, 4, 24), torch.randn(4, 2, 24), torch.randn(4, 2, 24),
+                                       torch.arange(2, 4)) is None
+
+
+def test_the_avx2_rows_kernel_leaves_long_histories_to_sdpa(monkeypatch):
+    """On the AVX2 build, rows over more than AVX2_ROWS_MAX_KEYS keys go to SDPA (the packed K
+    leaves L2 there and the kernel measured slower); the AVX-512 build keeps them; fewer than
+    ROWS_MIN rows and AGENTMEM_ATTN_KERNEL=off always go to SDPA."""
+    q = torch.randn(cpu_avx2.ROWS_MIN, 9, 64)
+    monkeypatch.setattr(cpu_avx2, "_lib", object())
+    monkeypatch.setattr(cpu_avx2, "_FLAGS", cpu_avx2._AVX2_FLAGS)
+    assert cpu_avx2.rows_kernel(q, torch.randn(cpu_avx2.AVX2_ROWS_MAX_KEYS, 3, 64)) is cpu_avx2._lib
+    assert cpu_avx2.rows_kernel(q, torch.randn(cpu_avx2.AVX2_ROWS_MAX_KEYS + 1, 3, 64)) is None
+    assert cpu_avx2.rows_kernel(q[:-1], torch.randn(100, 3, 64)) is None
+    monkeypatch.setattr(cpu_avx2, "_FLAGS", cpu_avx2._AVX2_FLAGS + cpu_avx2.AVX512BW_FLAGS)
+    assert cpu_avx2.rows_kernel(q, torch.randn(cpu_avx2.AVX2_ROWS_MAX_KEYS + 1, 3, 64)) is cpu_avx2._lib
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
+    assert cpu_avx2.rows_kernel(q, torch.randn(100, 3, 64)) is None
+
+
+def test_gemm_f32_matches_torch_and_a_rows_sums_do_not_depend_on_the_others(lib):
+    """The fp32-weight product of a few fp32 rows (decode, a blend's probe): torch's within fp32
+    rounding, with and without a bias, on strided rows; each row's result bit-identical whether
+    it is multiplied alone or among others (ragged 3-row tiles); shapes it does not take: None."""
+    g = torch.Generator().manual_seed(3)
+    for m, n, k in [(1, 960, 576), (2, 4, 8), (7, 576, 1536), (18, 3072, 576), (48, 64, 40)]:
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        x = torch.randn(m, k + 8, generator=g)[:, 4:4 + k]  # rows k + 8 apart
+        for bias in (None, b):
+            out = cpu_avx2.gemm_f32(lib, w, x, bias)
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert out is not None and out.shape == (m, n)
+            assert (out.double() - ref).abs().max() < 1e-5 * (k ** 0.5) * 4, (m, n, k)
+            for i in (0, m - 1):
+                assert torch.equal(cpu_avx2.gemm_f32(lib, w, x[i:i + 1], bias), out[i:i + 1])
+    w = torch.randn(10, 16)  # 10 outputs: not a multiple of 4
+    assert cpu_avx2.gemm_f32(lib, w, torch.randn(2, 16)) is None
+    assert cpu_avx2.gemm_f32(lib, torch.randn(8, 12), torch.randn(2, 12)) is None  # 12 inputs: not of 8
+    assert cpu_avx2.gemm_f32(lib, torch.randn(8, 16), torch.randn(2, 16, dtype=torch.float64)) is None
+
+
+def test_fp32_projections_take_gemm_f32_for_few_rows_only(lib, monkeypatch):
+    """Proj with fp32 weights: up to F32_MAX_ROWS fp32 rows on the kernel, more on torch's sgemm;
+    both within fp32 rounding of each other."""
+    calls = []
+    real = cpu_avx2.gemm_f32
+    monkeypatch.setattr(cpu_avx2, "gemm_f32", lambda *a: calls.append(a[2].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(64, 576, generator=g), torch.randn(64, generator=g)
+    p = Proj(w, b, "fp32")
+    few, many = torch.randn(cpu_avx2.F32_MAX_ROWS, 576, generator=g), torch.randn(cpu_avx2.F32_MAX_ROWS + 1, 576, generator=g)
+    out_few, out_many = p(few), p(many)
+    assert calls == [cpu_avx2.F32_MAX_ROWS]
+    assert torch.allclose(out_few, torch.nn.functional.linear(few, w, b), atol=1e-4)
+    assert torch.allclose(out_many, torch.nn.functional.linear(many, w, b), atol=1e-4)
+
+
+def test_the_avx2_rows_kernel_adds_each_keys_share_as_the_probe_computes_it(lib, cache):
+    """With `share`, the AVX2 build adds what each key gives the rows' outputs (attention times
+    the value's norm, over rows and heads) to it: the blend probe's torch computation
+    (`fuser._attend_and_share`) within fp32 rounding, outputs unchanged; a wrong share is a clear
+    error; the AVX-512 build declines (None, share untouched) and the probe keeps torch's."""
+    from agentmem.kvreuse import fuser
+
+    g = torch.Generator().manual_seed(11)
+    for nq, t, h, kv, hd in [(18, 700, 9, 3, 64), (8, 30, 4, 2, 32), (13, 200, 6, 3, 64)]:
         pos = torch.sort(torch.randperm(t, generator=g)[:nq]).values
         q, k, v = (torch.randn(n, m, hd, generator=g) for n, m in ((nq, h), (t, kv), (t, kv)))
-        ref = sdpa(q, k, v, torch.arange(t)[None, :] <= pos[:, None])
-        out = cpu_avx2.rows_attention(lib, q, k, v, pos)
-        assert out is not None and out.shape == ref.shape
-        assert (out - ref).abs().max() < 1e-5, (nq, t, h, kv, hd)
-    # shapes it does not take: None, not a wrong answer
-    assert cpu_avx2.rows_attention(lib, torch.randn(2, 4, 24), torch.randn(4, 2, 24), torch.randn(4, 2, 24),
-                                   torch.arange(2, 4)) is None
+        ref_out, ref_share = fuser._attend_and_share(q, k, v, fuser.causal_bias(pos, t, h // kv))
+        share = torch.full((t,), 0.5)
+        out = cpu_avx2.rows_attention(lib, q, k, v, pos, share=share) if cpu_avx2.rows_build() == "avx2" else None
+        if out is None:
+            pytest.skip("the loaded library is the AVX-512 build: no share there")
+        assert torch.equal(out, cpu_avx2.rows_attention(lib, q, k, v, pos))
+        assert (out - ref_out).abs().max() < 1e-5
+        assert (share - 0.5 - ref_share).abs().max() < 1e-5 * max(1.0, ref_share.abs().max().item())
+    with pytest.raises(ValueError, match="share"):
+        cpu_avx2.rows_attention(lib, q, k, v, pos, share=torch.zeros(t + 1))
+    if cpu_avx2.avx512bw_ok():
+        wide, why = cpu_gemv.build("gemv_avx2", cpu_avx2._SOURCE, cpu_avx2._AVX2_FLAGS + cpu_avx2.AVX512BW_FLAGS,
+                                   cpu_avx2._SIGNATURES, cache)
+        assert wide is not None, why
+        share = torch.zeros(t)
+        assert cpu_avx2.rows_attention(wide, q, k, v, pos, share=share) is None and not share.any()

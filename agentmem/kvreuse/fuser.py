@@ -213,7 +213,7 @@ class RowAttention:
         self.kernel = dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
         self.widen = False
         # the grouped SDPA blocks (`parts`) are planned at the first CPU call no kernel takes
-        # (fp32 rows on cpu_avx2's AVX-512 kernel never need them), once
+        # (fp32 rows on cpu_avx2's kernel never need them), once
 
     def _plan(self, group: int, dtype: torch.dtype) -> None:
         """The CPU row blocks and their masks (the grouped SDPA path)."""
@@ -229,8 +229,9 @@ class RowAttention:
         """q [Nq,H,hd] at the rows, k/v [n_keys,KV,hd] -> [Nq,H,hd]."""
         if self.kernel and (out := cpu_gemv.rows_attend(q, k, v, self.q_pos)) is not None:
             return out
-        # fp32 rows on an AVX-512 CPU without bf16 (cpu_avx2's AVX-512 build; session 42, Skylake-SP
-        # VM: ~320 late rows over 2k keys 17.2 -> 12.3 ms a layer against this grouped SDPA)
+        # fp32 rows on a CPU without bf16, cpu_avx2's kernel (session 42, Skylake-SP VM, AVX-512:
+        # ~320 late rows over 2k keys 17.2 -> 12.3 ms a layer against this grouped SDPA; session 48,
+        # Zen 3 VM, AVX2: ~310 rows over 2k keys 10.2 -> 7.7 ms)
         if self.window is None and (lib := cpu_avx2.rows_kernel(q, k)) is not None and \
                 (out := cpu_avx2.rows_attention(lib, q, k, v, self.q_pos)) is not None:
             return out
@@ -327,6 +328,11 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
                 # call, no weights materialised (session 29: 6.2 -> 0.9 ms a layer for 40 rows
                 # over 2k keys on a Zen 4 VM)
                 return cpu_gemv.rows_attention(lib, q, k_l, v_l, rows, share=share)
+            if window is None and (lib := cpu_avx2.rows_kernel(q, k_l)) is not None and \
+                    (out := cpu_avx2.rows_attention(lib, q, k_l, v_l, rows, share=share)) is not None:
+                # fp32 on cpu_avx2's AVX2 build, likewise (session 48, Zen 3 VM: the probe's
+                # attention 45 -> ~10 ms of a 2k-token blend)
+                return out
             if bias is None:
                 bias = causal_bias(rows, k_all.shape[1], model.args.n_heads // model.args.n_kv_heads, window=window)
             out, s = _attend_and_share(q, k_l, v_l, bias)

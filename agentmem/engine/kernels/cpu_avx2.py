@@ -50,6 +50,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -357,6 +358,46 @@ static void team_groups_q4(const uint8_t *w, const uint16_t *dm, const int8_t *x
             #undef T
         }
     }
+}
+
+/* fp32 weights as they are ([N, K], rows K apart) times a few fp32 rows: y[M, N] = x w^T (+ b), x rows
+   ldx apart, N a multiple of 4 and K of 8. A tile is 4 outputs by up to 3 rows: 12 accumulators of
+   8 products along K, summed across their lanes at the end; the 4 weight rows (9 KB at K = 1,536)
+   stay in L1 while every row tile passes over them, so the weights stream from memory once. A row's
+   sums do not depend on the other rows: the same bits at any M. */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t ldx, const float *w, int64_t K,
+                                                           const int mb, float *y, int64_t N, const float *b) {
+    __m256 acc[3][4];
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
+        const __m256 w2 = _mm256_loadu_ps(w + 2 * K + k), w3 = _mm256_loadu_ps(w + 3 * K + k);
+        for (int i = 0; i < mb; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
+            acc[i][3] = _mm256_fmadd_ps(xv, w3, acc[i][3]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < 4; j++) y[i * N + j] = hsum8(acc[i][j]) + (b ? b[j] : 0.0f);
+}
+
+void agentmem_avx2_gemm_f32(const float *x, int64_t ldx, const float *w, float *y, const float *b, int64_t M,
+                            int64_t N, int64_t K, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4)
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            const float *xm = x + m0 * ldx, *wn = w + n0 * K, *bn = b ? b + n0 : NULL;
+            float *ym = y + m0 * N + n0;
+            switch (M - m0 < 3 ? M - m0 : 3) {
+                case 3: tile_f32(xm, ldx, wn, K, 3, ym, N, bn); break;
+                case 2: tile_f32(xm, ldx, wn, K, 2, ym, N, bn); break;
+                default: tile_f32(xm, ldx, wn, K, 1, ym, N, bn);
+            }
+        }
 }
 
 /* y = x w^T (+ b) for fp32 x [M, K] (rows ldx apart) and w held by `cpu_gemv.pack_q4` (N a multiple
@@ -951,8 +992,7 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
 }
 
 /* Causal attention of fp32 query rows over a whole fp32 K/V (prefill chunks, CacheBlend's
-   recomputed rows) on AVX-512 (`vnni512` and `avx512bw` builds; the AVX2 build returns 0 and the
-   caller runs torch's SDPA): out[i, h] = softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G]
+   recomputed rows), on AVX-512 (`vnni512` and `avx512bw` builds) and on AVX2 (below): out[i, h] = softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G]
    * scale), times V. q/out [Nq, H, hd], qpos int64 [Nq] ascending, k/v [T, KV, hd] at positions
    0..T-1, hd a multiple of 16 up to 256. K is packed per KV head as [T16/16, hd, 16] (16 keys in
    the lanes of one vector), so the scores of 32 keys and 8 query rows are 16 accumulators fed by two
@@ -986,8 +1026,10 @@ static inline __attribute__((always_inline)) void ra_pv(const float *v, int64_t 
 #endif
 
 int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float *k, const float *v, float *out,
-                                int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale, int threads) {
+                                int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale, int threads,
+                                float *share) {
 #ifdef AGENTMEM_AVX512
+    if (share) return 0;  /* each key's share: the AVX2 build's (the caller computes it with torch) */
     if (Nq <= 0 || T <= 0) return 1;
     if (hd % 16 || hd > 256 || H % KV) return 0;
     /* only the keys the last row sees are read */
@@ -1095,9 +1137,212 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
     }
     return 1;
 #else
-    (void)q; (void)qpos; (void)k; (void)v; (void)out; (void)Nq; (void)H; (void)KV; (void)hd; (void)T;
-    (void)scale; (void)threads;
-    return 0;
+    /* AVX2: the same tasks and the same two-pass softmax with 8 keys in a vector. K is packed per KV
+       head as [T8/8, hd, 8]; the scores of 16 keys and 4 query rows are 8 accumulators fed by two K
+       loads and 4 broadcast FMAs a dim, a task's two halves of 4 rows in turn over the same 16 keys
+       (in L1); P V runs 4 rows and 16 dims a pass over V. */
+    if (Nq <= 0 || T <= 0) return 1;
+    if (hd % 16 || hd > 256 || H % KV) return 0;
+    if (qpos[Nq - 1] + 1 < T) T = qpos[Nq - 1] + 1;
+    const int64_t G = H / KV, T8 = (T + 7) / 8 * 8, nblk = T8 / 8;
+    static __thread float *kpk_buf = NULL;
+    static __thread size_t kpk_cap = 0;
+    const size_t need = (size_t)KV * T8 * hd;
+    if (need > kpk_cap) {
+        free(kpk_buf);
+        kpk_buf = (float *)aligned_alloc(32, need * 4);
+        kpk_cap = kpk_buf ? need : 0;
+        if (!kpk_buf) return 0;
+    }
+    float *kpk = kpk_buf;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < KV * nblk; blk++) {  /* pack K, zero past T: an 8 x 8 transpose at a time */
+        const int64_t kvh = blk / nblk, b = blk % nblk;
+        float *kd = kpk + (kvh * nblk + b) * hd * 8;
+        for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+            __m256 r[8];
+            for (int t = 0; t < 8; t++) {
+                const int64_t j = b * 8 + t;
+                r[t] = j < T ? _mm256_loadu_ps(k + (j * KV + kvh) * hd + d0) : _mm256_setzero_ps();
+            }
+            const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+            const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+            const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+            const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+            const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+            const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+            const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+            const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+            float *o = kd + d0 * 8;
+            _mm256_store_ps(o + 0, _mm256_permute2f128_ps(b0, b4, 0x20));
+            _mm256_store_ps(o + 8, _mm256_permute2f128_ps(b1, b5, 0x20));
+            _mm256_store_ps(o + 16, _mm256_permute2f128_ps(b2, b6, 0x20));
+            _mm256_store_ps(o + 24, _mm256_permute2f128_ps(b3, b7, 0x20));
+            _mm256_store_ps(o + 32, _mm256_permute2f128_ps(b0, b4, 0x31));
+            _mm256_store_ps(o + 40, _mm256_permute2f128_ps(b1, b5, 0x31));
+            _mm256_store_ps(o + 48, _mm256_permute2f128_ps(b2, b6, 0x31));
+            _mm256_store_ps(o + 56, _mm256_permute2f128_ps(b3, b7, 0x31));
+        }
+    }
+    const int64_t nb = (Nq + 7) / 8, T16 = (T8 + 15) / 16 * 16;
+    /* with `share`: what each key adds to the rows' outputs (the blend's probe), the attention paid
+       to it times its value's norm, summed over rows and heads, added into share[0..T-1]; each
+       thread sums its tasks' into its own row of `part`, added up after */
+    float *vnorm = NULL, *part = NULL;
+    if (share) {
+        vnorm = (float *)aligned_alloc(32, (size_t)KV * T16 * 4);
+        part = (float *)aligned_alloc(32, (size_t)threads * T16 * 4);
+        if (!vnorm || !part) { free(vnorm); free(part); return 0; }
+        memset(part, 0, (size_t)threads * T16 * 4);
+        for (int64_t kvh = 0; kvh < KV; kvh++)
+            for (int64_t t = 0; t < T16; t++) {
+                float ss = 0.0f;
+                if (t < T)
+                    for (int64_t d = 0; d < hd; d++) ss += v[(t * KV + kvh) * hd + d] * v[(t * KV + kvh) * hd + d];
+                vnorm[kvh * T16 + t] = sqrtf(ss);
+            }
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        /* a task is (8 rows, KV head) with every query head of that KV head: each 16-key block of K
+           (4 KB) serves G x 8 rows from L1, and V's slices serve them from L2 */
+        float *sbuf = (float *)aligned_alloc(32, (size_t)G * 8 * T16 * 4);
+        float *inv = (float *)malloc(sizeof(float) * (size_t)G * 8);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < KV * nb; task++) {
+            const int64_t rb = nb - 1 - task / KV, kvh = task % KV;
+            const int64_t r0 = rb * 8, nr = Nq - r0 < 8 ? Nq - r0 : 8;
+            int64_t lim[8], row[8];
+            for (int64_t r = 0; r < 8; r++) {
+                row[r] = r0 + (r < nr ? r : nr - 1);
+                lim[r] = qpos[row[r]] + 1 < T ? qpos[row[r]] + 1 : T;
+            }
+            const int64_t nk = (lim[nr - 1] + 7) / 8 * 8;
+            const float *kh = kpk + kvh * nblk * hd * 8;
+            const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            for (int64_t t0 = 0; t0 < nk; t0 += 16) {  /* scores of 16 keys (8 at the end), 4 rows at a time */
+                const int two = t0 + 8 < nk;
+                const float *kb = kh + (t0 / 8) * hd * 8;
+                const __m256i kpos = _mm256_add_epi32(lane, _mm256_set1_epi32((int)t0));
+                const __m256i kpos1 = _mm256_add_epi32(kpos, _mm256_set1_epi32(8));
+                for (int64_t g = 0; g < G; g++)
+                    for (int r4 = 0; r4 < nr; r4 += 4) {
+                        const float *q0 = q + (row[r4] * H + kvh * G + g) * hd, *q1 = q + (row[r4 + 1] * H + kvh * G + g) * hd;
+                        const float *q2 = q + (row[r4 + 2] * H + kvh * G + g) * hd, *q3 = q + (row[r4 + 3] * H + kvh * G + g) * hd;
+                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                        if (two)
+                            for (int64_t d = 0; d < hd; d++) {
+                                const __m256 k0 = _mm256_load_ps(kb + d * 8), k1 = _mm256_load_ps(kb + hd * 8 + d * 8);
+                                __m256 x = _mm256_broadcast_ss(q0 + d);
+                                a0 = _mm256_fmadd_ps(x, k0, a0); b0 = _mm256_fmadd_ps(x, k1, b0);
+                                x = _mm256_broadcast_ss(q1 + d);
+                                a1 = _mm256_fmadd_ps(x, k0, a1); b1 = _mm256_fmadd_ps(x, k1, b1);
+                                x = _mm256_broadcast_ss(q2 + d);
+                                a2 = _mm256_fmadd_ps(x, k0, a2); b2 = _mm256_fmadd_ps(x, k1, b2);
+                                x = _mm256_broadcast_ss(q3 + d);
+                                a3 = _mm256_fmadd_ps(x, k0, a3); b3 = _mm256_fmadd_ps(x, k1, b3);
+                            }
+                        else
+                            for (int64_t d = 0; d < hd; d++) {
+                                const __m256 k0 = _mm256_load_ps(kb + d * 8);
+                                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), k0, a0);
+                                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), k0, a1);
+                                a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), k0, a2);
+                                a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), k0, a3);
+                            }
+                        const __m256 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+                        for (int r = 0; r < 4; r++) {
+                            const __m256i lr = _mm256_set1_epi32((int)lim[r4 + r]);
+                            float *sr = sbuf + (g * 8 + r4 + r) * T16 + t0;
+                            _mm256_store_ps(sr, _mm256_blendv_ps(ninf, _mm256_mul_ps(a[r], sc),
+                                                                 _mm256_castsi256_ps(_mm256_cmpgt_epi32(lr, kpos))));
+                            if (two)
+                                _mm256_store_ps(sr + 8, _mm256_blendv_ps(ninf, _mm256_mul_ps(b[r], sc),
+                                                                         _mm256_castsi256_ps(_mm256_cmpgt_epi32(lr, kpos1))));
+                        }
+                    }
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t r = 0; r < nr; r++) {  /* softmax numerators in place; 1 / their sum */
+                    float *sr = sbuf + (g * 8 + r) * T16;
+                    __m256 mx = ninf;
+                    for (int64_t t = 0; t < nk; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sr + t));
+                    const __m256 m8 = _mm256_set1_ps(hmax8(mx));
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t t = 0; t < nk; t += 8) {
+                        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sr + t), m8));
+                        _mm256_store_ps(sr + t, e);
+                        acc = _mm256_add_ps(acc, e);
+                    }
+                    inv[g * 8 + r] = 1.0f / hsum8(acc);
+                }
+            if (share) {
+                float *mine = part + (int64_t)omp_get_thread_num() * T16;
+                const float *vn = vnorm + kvh * T16;
+                for (int64_t t = 0; t < nk; t += 8) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t g = 0; g < G; g++)
+                        for (int64_t r = 0; r < nr; r++)
+                            acc = _mm256_fmadd_ps(_mm256_load_ps(sbuf + (g * 8 + r) * T16 + t), _mm256_set1_ps(inv[g * 8 + r]), acc);
+                    _mm256_store_ps(mine + t, _mm256_fmadd_ps(acc, _mm256_load_ps(vn + t), _mm256_load_ps(mine + t)));
+                }
+            }
+            /* P V: 4 rows and 16 dims a pass over V's keys; each 16-dim slice of V (64 bytes a key)
+               serves every query head's rows while it is in L2 */
+            for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+                const float *vb = v + kvh * hd + d0;
+                for (int64_t g = 0; g < G; g++)
+                    for (int r4 = 0; r4 < nr; r4 += 4) {
+                        const int n4 = nr - r4 < 4 ? (int)(nr - r4) : 4;
+                        const int64_t kmax = lim[r4 + n4 - 1];
+                        const float *pr = sbuf + (g * 8 + r4) * T16;
+                        __m256 o[4][2];
+                        if (n4 == 4) {  /* the accumulators named, so that they stay in registers */
+                            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, e0 = c0, e1 = c0, e2 = c0, e3 = c0;
+                            for (int64_t t = 0; t < kmax; t++) {
+                                const __m256 v0 = _mm256_loadu_ps(vb + t * KV * hd), v1 = _mm256_loadu_ps(vb + t * KV * hd + 8);
+                                __m256 p = _mm256_broadcast_ss(pr + t);
+                                c0 = _mm256_fmadd_ps(p, v0, c0); e0 = _mm256_fmadd_ps(p, v1, e0);
+                                p = _mm256_broadcast_ss(pr + T16 + t);
+                                c1 = _mm256_fmadd_ps(p, v0, c1); e1 = _mm256_fmadd_ps(p, v1, e1);
+                                p = _mm256_broadcast_ss(pr + 2 * T16 + t);
+                                c2 = _mm256_fmadd_ps(p, v0, c2); e2 = _mm256_fmadd_ps(p, v1, e2);
+                                p = _mm256_broadcast_ss(pr + 3 * T16 + t);
+                                c3 = _mm256_fmadd_ps(p, v0, c3); e3 = _mm256_fmadd_ps(p, v1, e3);
+                            }
+                            o[0][0] = c0; o[0][1] = e0; o[1][0] = c1; o[1][1] = e1;
+                            o[2][0] = c2; o[2][1] = e2; o[3][0] = c3; o[3][1] = e3;
+                        } else {
+                            for (int r = 0; r < 4; r++) o[r][0] = o[r][1] = _mm256_setzero_ps();
+                            for (int64_t t = 0; t < kmax; t++) {
+                                const __m256 v0 = _mm256_loadu_ps(vb + t * KV * hd), v1 = _mm256_loadu_ps(vb + t * KV * hd + 8);
+                                for (int r = 0; r < n4; r++) {
+                                    const __m256 p = _mm256_broadcast_ss(pr + r * T16 + t);
+                                    o[r][0] = _mm256_fmadd_ps(p, v0, o[r][0]);
+                                    o[r][1] = _mm256_fmadd_ps(p, v1, o[r][1]);
+                                }
+                            }
+                        }
+                        for (int r = 0; r < n4; r++) {
+                            const __m256 iv = _mm256_set1_ps(inv[g * 8 + r4 + r]);
+                            float *ob = out + ((r0 + r4 + r) * H + kvh * G + g) * hd + d0;
+                            _mm256_storeu_ps(ob, _mm256_mul_ps(o[r][0], iv));
+                            _mm256_storeu_ps(ob + 8, _mm256_mul_ps(o[r][1], iv));
+                        }
+                    }
+            }
+        }
+        free(inv);
+        free(sbuf);
+    }
+    if (share) {
+        for (int i = 0; i < threads; i++)
+            for (int64_t t = 0; t < T; t++) share[t] += part[(int64_t)i * T16 + t];
+        free(part);
+        free(vnorm);
+    }
+    return 1;
 #endif
 }
 """.replace("@DA_CHUNK@", cpu_gemv.DECODE_CHUNK_C).replace("@Q4_VNNI@", cpu_gemv.Q4_VNNI_C)
@@ -1135,12 +1380,13 @@ _P, _I, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "agentmem_avx2_gemv_q8": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
     "agentmem_avx2_gemv_q4": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I32],
+    "agentmem_avx2_gemm_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I32],
     "agentmem_avx2_rms_norm_f32": [_P, _I, _P, _P, _I, _I, ctypes.c_float],
     "agentmem_avx2_rope_f32": [_P, _I, _P, _P, _P, _I, _I, _I],
     "agentmem_avx2_decode_attn_f32": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_decode_attn_f16kv": [_P] * 6 + [_I] * 5 + [ctypes.c_float, _I32],
     "agentmem_avx2_silu_mul_f32": [_P, _I, _P, _I, _I],
-    "agentmem_avx2_rows_attn_f32": ([_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32], ctypes.c_int),
+    "agentmem_avx2_rows_attn_f32": ([_P] * 5 + [_I] * 5 + [ctypes.c_float, _I32, _P], ctypes.c_int),
     "agentmem_avx2_layers_q8": [_P, _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I32, _P, _P, _P, _I,
                                 ctypes.c_float] + [_I] * 6 + [_I32, _I32],
     "agentmem_avx2_layer_q8": [_P, _P, _P, _P, ctypes.c_float] + [_P] * 7 + [_I32] + [_P] * 3 + [_I, ctypes.c_float]
@@ -1163,6 +1409,10 @@ MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decod
 # 4.87-5.40 -> 4.03-4.72 s. So there every row takes it and no fp32 copy is made (int8 is then a
 # memory format too).
 PRODUCT_MAX_ROWS = 48
+# fp32 rows up to which fp32 weights take `gemm_f32` (more: MKL's sgemm). Session 48, Zen 3 VM, ms,
+# MKL on the transposed weight / the kernel, hot: 18 rows 0.26 / 0.14 (960 x 576), 0.92 / 0.37
+# (3,072 x 576), 0.38 / 0.20 (576 x 1,536); 48 rows 1.49 / 0.97 (3,072 x 576).
+F32_MAX_ROWS = 48
 Q4_MAX_ROWS = 48  # fp32 rows up to which 4-bit weights take `gemv_q4` (more: an fp32 copy, exact as prefill is)
 VNNI512_PRODUCT_MAX_ROWS = 1 << 62  # `load` sets PRODUCT_MAX_ROWS to this with the VNNI tile
 _lib: ctypes.CDLL | None = None
@@ -1253,6 +1503,22 @@ def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tenso
     return cpu_gemv.run_product(lib.agentmem_avx2_gemv_q4, wp, dm, x, bias, n, torch.float32, out_flag=False)
 
 
+def gemm_f32(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+    """x [M, in] (fp32) @ w.T (+ bias) for an fp32 weight w [out, in] as it is
+    (`agentmem_avx2_gemm_f32`): [M, out] fp32, or None where the shapes are not its (out a
+    multiple of 4, in of 8, contiguous weight and rows)."""
+    n, k = w.shape
+    if (x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or n % 4 or k % 8
+            or not w.is_contiguous() or x.stride(1) != 1 or (bias is not None and bias.dtype != torch.float32)):
+        return None
+    y = torch.empty(x.shape[0], n)
+    b = bias.contiguous() if bias is not None else None
+    lib.agentmem_avx2_gemm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), b.data_ptr() if b is not None else None,
+                               x.shape[0], n, k, torch.get_num_threads())
+    return y
+
+
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of fp32 rows x [M, D] by an fp32 weight [D] (what F.rms_norm computes, in one call)."""
     return cpu_gemv.norm_rows(lib.agentmem_avx2_rms_norm_f32, torch.float32, x, weight, eps)
@@ -1301,35 +1567,51 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
 
 
 ROWS_MIN = 8  # fewer rows go to SDPA: the kernel computes 8 rows a task whatever their number
+# Keys past which the AVX2 build's rows go to SDPA: a head's packed K (256 bytes a key at hd 64)
+# leaves L2. Session 48, Zen 3 VM, 512 rows after 7,680 keys: 142.2 ms a layer against SDPA's
+# 123.6; after 3,584: 53.7 against 66.9 (model_runner.FP32_ROWS_KERNEL_MAX_KEYS).
+AVX2_ROWS_MAX_KEYS = 4096
 
 
 def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
-    """The loaded library where `rows_attention` takes these rows: fp32 CPU tensors, a library
-    built with the AVX-512 tiles (`wide_tile`), a head dim it takes. AGENTMEM_ATTN_KERNEL=off
-    leaves them to torch's SDPA, as it does bf16 rows."""
+    """The loaded library where `rows_attention` takes these rows: fp32 CPU tensors, a head dim it
+    takes (either build: AVX-512's 16 keys a vector, AVX2's 8), and on the AVX2 build at most
+    AVX2_ROWS_MAX_KEYS keys. AGENTMEM_ATTN_KERNEL=off leaves them to torch's SDPA, as it does bf16
+    rows."""
     if (q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3 or k.dim() != 3 or q.shape[0] < ROWS_MIN
-            or q.shape[2] % 16 or q.shape[2] > 256 or os.environ.get("AGENTMEM_ATTN_KERNEL") == "off"):
+            or q.shape[2] % 16 or q.shape[2] > 256 or os.environ.get("AGENTMEM_ATTN_KERNEL") == "off"
+            or (rows_build() == "avx2" and k.shape[0] > AVX2_ROWS_MAX_KEYS)):
         return None
-    lib = loaded()
-    return lib if lib is not None and "-DAGENTMEM_AVX512" in _FLAGS else None
+    return loaded()
+
+
+def rows_build() -> str:
+    """Which build's rows kernel the loaded library holds: `avx512` or `avx2`."""
+    return "avx512" if "-DAGENTMEM_AVX512" in _FLAGS else "avx2"
 
 
 def rows_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   q_pos: torch.Tensor, scale: float | None = None) -> torch.Tensor | None:
+                   q_pos: torch.Tensor, scale: float | None = None, share: torch.Tensor | None = None
+                   ) -> torch.Tensor | None:
     """Causal attention of fp32 query rows q [Nq, H, hd] at ascending positions `q_pos` over k/v
-    [T, KV, hd] at 0..T-1 (`agentmem_avx2_rows_attn_f32`): [Nq, H, hd] fp32, or None where this
-    library has no such kernel (the AVX2 build) or the shapes are not its (the caller runs SDPA)."""
+    [T, KV, hd] at 0..T-1 (`agentmem_avx2_rows_attn_f32`): [Nq, H, hd] fp32, or None where the
+    shapes are not its (the caller runs SDPA). With `share` (fp32 [T], contiguous; the AVX2 build
+    only), what each key adds to the rows' outputs, the attention paid to it times its value's
+    norm summed over rows and heads, is added into it, as the blend's probe computes it
+    (`fuser._attend_and_share`); where the build has none: None and `share` untouched."""
     nq, h, hd = q.shape
     t, kv = k.shape[0], k.shape[1]
     if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32
             or k.shape != v.shape or k.shape[2] != hd or h % kv or hd % 16 or hd > 256 or q_pos.shape != (nq,)):
         return None
+    if share is not None and (share.dtype != torch.float32 or share.shape != (t,) or not share.is_contiguous()):
+        raise ValueError(f"share must be a contiguous fp32 [{t}] tensor, got {share.dtype} {tuple(share.shape)}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     pos = q_pos.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     done = lib.agentmem_avx2_rows_attn_f32(q.data_ptr(), pos.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                            nq, h, kv, hd, t, hd ** -0.5 if scale is None else scale,
-                                           torch.get_num_threads())
+                                           torch.get_num_threads(), share.data_ptr() if share is not None else None)
     return out if done else None
 
 
