@@ -26,8 +26,10 @@ Built once by the system's C compiler into the cache dir and loaded with ctypes
 (`cpu_gemv.load_once`), as the AVX-512 library is; without AVX2/FMA or a compiler, `load`
 returns None, says why, and int8 stays with torch's product.
 
-The same library holds fp32 RMSNorm, RoPE, SiLU x up and the paged decode attention (over an
-fp32 or an fp16 pool: `Engine.kv_dtype`), and a decoder layer of decode rows as one call
+The same library holds fp32 RMSNorm, RoPE, SiLU x up, the paged decode attention (over an
+fp32 or an fp16 pool: `Engine.kv_dtype`), the causal attention of fp32 query rows (prefill chunks,
+a blend's rows and its probe's key shares: `rows_attention`), a few fp32 rows on fp32 weights
+(`gemm_f32`), and a decoder layer of decode rows as one call
 (`layer_q8`) and every layer of a decode step as one call (`layers_q8`), built from the same
 functions so that they give the separate calls' bits; their Python wrappers are `cpu_gemv`'s,
 given this library's C functions and fp32.
