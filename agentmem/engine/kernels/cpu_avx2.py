@@ -1027,6 +1027,35 @@ static inline __attribute__((always_inline)) void ra_pv(const float *v, int64_t 
 }
 #endif
 
+/* A row of `nk` scores (nk a multiple of 8, 32-byte aligned; masked keys -inf) to its softmax
+   numerators in place, exp(s - max); returns 1 / their sum. */
+static inline float softmax_numerators(float *sr, int64_t nk) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < nk; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sr + t));
+    const __m256 m8 = _mm256_set1_ps(hmax8(mx));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t t = 0; t < nk; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sr + t), m8));
+        _mm256_store_ps(sr + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return 1.0f / hsum8(acc);
+}
+
+/* The rows kernel's packed K: a buffer kept by the calling thread and grown as needed (a fresh
+   1.5 MB for 2k keys each call cost its page faults and unmapping at every layer); NULL where it
+   cannot be had. */
+static float *packed_k_buffer(size_t floats) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        free(buf);
+        buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
 int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float *k, const float *v, float *out,
                                 int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale, int threads,
                                 float *share) {
@@ -1037,18 +1066,8 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
     /* only the keys the last row sees are read */
     if (qpos[Nq - 1] + 1 < T) T = qpos[Nq - 1] + 1;
     const int64_t G = H / KV, T16 = (T + 15) / 16 * 16, nblk = T16 / 16, nd = hd / 16;
-    /* the packed K in a buffer kept by the calling thread and grown as needed: a fresh 1.5 MB
-       (2k keys) each call cost its page faults and unmapping at every layer */
-    static __thread float *kpk_buf = NULL;
-    static __thread size_t kpk_cap = 0;
-    const size_t need = (size_t)KV * T16 * hd;
-    if (need > kpk_cap) {
-        free(kpk_buf);
-        kpk_buf = (float *)aligned_alloc(64, need * 4);
-        kpk_cap = kpk_buf ? need : 0;
-        if (!kpk_buf) return 0;
-    }
-    float *kpk = kpk_buf;
+    float *kpk = packed_k_buffer((size_t)KV * T16 * hd);
+    if (!kpk) return 0;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < KV * nblk; blk++) {  /* pack K, zero past T: 16 keys x 16 dims at a time */
         const int64_t kvh = blk / nblk, b = blk % nblk;
@@ -1114,19 +1133,7 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
                 }
             }
             float inv[8];
-            for (int64_t r = 0; r < nr; r++) {  /* softmax numerators in place; 1 / their sum */
-                float *sr = sbuf + r * T16;
-                __m512 mx = ninf;
-                for (int64_t t = 0; t < nk; t += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sr + t));
-                const __m256 m8 = _mm256_set1_ps(_mm512_reduce_max_ps(mx));
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t t = 0; t < nk; t += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sr + t), m8));
-                    _mm256_store_ps(sr + t, e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-                inv[r] = 1.0f / hsum8(acc);
-            }
+            for (int64_t r = 0; r < nr; r++) inv[r] = softmax_numerators(sbuf + r * T16, nk);
             for (int64_t d0 = 0; d0 < nd; d0 += 2) {  /* P V, the 8 rows and 32 dims a pass over V */
                 const float *vb = v + kvh * hd + 16 * d0;
                 float *ob = out + r0 * H * hd + h * hd + 16 * d0;
@@ -1147,16 +1154,8 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
     if (hd % 16 || hd > 256 || H % KV) return 0;
     if (qpos[Nq - 1] + 1 < T) T = qpos[Nq - 1] + 1;
     const int64_t G = H / KV, T8 = (T + 7) / 8 * 8, nblk = T8 / 8;
-    static __thread float *kpk_buf = NULL;
-    static __thread size_t kpk_cap = 0;
-    const size_t need = (size_t)KV * T8 * hd;
-    if (need > kpk_cap) {
-        free(kpk_buf);
-        kpk_buf = (float *)aligned_alloc(32, need * 4);
-        kpk_cap = kpk_buf ? need : 0;
-        if (!kpk_buf) return 0;
-    }
-    float *kpk = kpk_buf;
+    float *kpk = packed_k_buffer((size_t)KV * T8 * hd);
+    if (!kpk) return 0;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < KV * nblk; blk++) {  /* pack K, zero past T: an 8 x 8 transpose at a time */
         const int64_t kvh = blk / nblk, b = blk % nblk;
@@ -1266,19 +1265,7 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
                     }
             }
             for (int64_t g = 0; g < G; g++)
-                for (int64_t r = 0; r < nr; r++) {  /* softmax numerators in place; 1 / their sum */
-                    float *sr = sbuf + (g * 8 + r) * T16;
-                    __m256 mx = ninf;
-                    for (int64_t t = 0; t < nk; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(sr + t));
-                    const __m256 m8 = _mm256_set1_ps(hmax8(mx));
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t t = 0; t < nk; t += 8) {
-                        const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sr + t), m8));
-                        _mm256_store_ps(sr + t, e);
-                        acc = _mm256_add_ps(acc, e);
-                    }
-                    inv[g * 8 + r] = 1.0f / hsum8(acc);
-                }
+                for (int64_t r = 0; r < nr; r++) inv[g * 8 + r] = softmax_numerators(sbuf + (g * 8 + r) * T16, nk);
             if (share) {
                 float *mine = part + (int64_t)omp_get_thread_num() * T16;
                 const float *vn = vnorm + kvh * T16;
