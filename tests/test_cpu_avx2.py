@@ -477,8 +477,8 @@ def test_gemm_f32_matches_torch_and_a_rows_sums_do_not_depend_on_the_others(lib)
 
 
 def test_fp32_projections_take_gemm_f32_for_few_rows_only(lib, monkeypatch):
-    """Proj with fp32 weights: up to F32_MAX_ROWS fp32 rows on the kernel, more on torch's sgemm;
-    both within fp32 rounding of each other."""
+    """Proj with fp32 weights on the AVX2 build: up to F32_MAX_ROWS fp32 rows on the kernel, more
+    on torch's sgemm, both within fp32 rounding of each other; an AVX-512 build keeps sgemm."""
     calls = []
     real = cpu_avx2.gemm_f32
     monkeypatch.setattr(cpu_avx2, "gemm_f32", lambda *a: calls.append(a[2].shape[0]) or real(*a))
@@ -487,9 +487,12 @@ def test_fp32_projections_take_gemm_f32_for_few_rows_only(lib, monkeypatch):
     p = Proj(w, b, "fp32")
     few, many = torch.randn(cpu_avx2.F32_MAX_ROWS, 576, generator=g), torch.randn(cpu_avx2.F32_MAX_ROWS + 1, 576, generator=g)
     out_few, out_many = p(few), p(many)
-    assert calls == [cpu_avx2.F32_MAX_ROWS]
+    assert calls == ([cpu_avx2.F32_MAX_ROWS] if cpu_avx2.rows_build() == "avx2" else [])
     assert torch.allclose(out_few, torch.nn.functional.linear(few, w, b), atol=1e-4)
     assert torch.allclose(out_many, torch.nn.functional.linear(many, w, b), atol=1e-4)
+    calls.clear()
+    monkeypatch.setattr(cpu_avx2, "_FLAGS", cpu_avx2._AVX2_FLAGS + cpu_avx2.AVX512BW_FLAGS)  # an AVX-512 build: MKL
+    assert torch.allclose(p(few), out_few, atol=1e-4) and calls == []
 
 
 def test_the_avx2_rows_kernel_adds_each_keys_share_as_the_probe_computes_it(lib, cache):

@@ -192,7 +192,8 @@ class Proj:
                 return _widened(x, self.w_plain, self.bias)
             return _onednn(x, self.packed, self.bias)
         if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.F32_MAX_ROWS and self.w.device.type == "cpu"
-                and (lib := cpu_avx2.loaded()) is not None and (out := cpu_avx2.gemm_f32(lib, self.w, x, self.bias)) is not None):
+                and (lib := cpu_avx2.f32_kernel()) is not None
+                and (out := cpu_avx2.gemm_f32(lib, self.w, x, self.bias)) is not None):
             return out  # a few fp32 rows on fp32 weights: decode, a blend's probe (cpu_avx2.F32_MAX_ROWS)
         if self.w_t is not None and x.shape[0] <= self.max_rows:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)

@@ -1574,6 +1574,13 @@ def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
     return loaded()
 
 
+def f32_kernel() -> ctypes.CDLL | None:
+    """The loaded library where few fp32 rows on fp32 weights take `gemm_f32`: the AVX2 build, on
+    the AVX2-only CPUs it was measured on (session 48); an AVX-512 CPU keeps MKL's 512-bit sgemm,
+    not measured against it."""
+    return loaded() if rows_build() == "avx2" else None
+
+
 def rows_build() -> str:
     """Which build's rows kernel the loaded library holds: `avx512` or `avx2`."""
     return "avx512" if "-DAGENTMEM_AVX512" in _FLAGS else "avx2"
