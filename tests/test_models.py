@@ -438,8 +438,11 @@ def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
     # the streams after a memory turn's worth of prompt each, and one stream after such a prompt
     assert out["batch_long_prompt_tokens"] == 40
     assert out["batch_long_decode_tok_s"] > 0 and out["batch_long_single_decode_tok_s"] > 0
+    # the ratio is of the unrounded rates, the rates are printed to 0.1 tok/s: on a slow host (a
+    # tiny model at a few tok/s) that rounding alone moves their quotient by more than 0.01
+    batch, single = out["batch_long_decode_tok_s"], out["batch_long_single_decode_tok_s"]
     assert out["batch_long_speedup_vs_single"] == pytest.approx(
-        out["batch_long_decode_tok_s"] / out["batch_long_single_decode_tok_s"], abs=0.01)
+        batch / single, abs=0.006 + batch / single * (0.05 / single + 0.05 / batch))
     # int8's decode: the same figure when int8 is the format chosen, else its own engine's runs
     assert out["decode_tok_s_int8"] > 0
     assert (out["decode_tok_s_int8"] == out["decode_tok_s"]) == (out["weights"] == "int8")
