@@ -29,7 +29,7 @@ from ..compress import BudgetPolicy, Compressor, compress_memory
 from ..engine import Segment
 from ..tiers import Hit, Memory, MemoryStore, Message
 from ..tiers.archive import DEFAULT_BLOCK_LIMIT
-from ..tiers.recall import chunk_text, neighbour_contexts
+from ..tiers.recall import chunk_text, memory_hit, message_hit, neighbour_contexts
 from .checkpoint import Checkpoints
 from .facts import Fact, ModelExtractor, about_user, pattern_facts, same_value, sentences, slot_of
 
@@ -326,14 +326,8 @@ def _engine_reuse(engine) -> KVPrecompute | None:
 def _hit(item: Memory | Message, chunk: int = 0, context: str | None = None) -> Hit:
     """The recall hit a stored memory or message comes back as (what `memory_line` reads)."""
     if isinstance(item, Message):
-        pieces = chunk_text(item.text)
-        compressed = item.compressed_text if len(pieces) == 1 else None
-        return Hit(id=item.id, kind="message", text=pieces[chunk], score=0.0, similarity=0.0, time=item.time,
-                   source_ids=[item.id], role=item.role, session_id=item.session_id, importance=0.5, chunk=chunk,
-                   compressed_text=compressed, name=item.name, context=context,
-                   keys=item.keys if chunk == 0 else None)  # as recall builds it
-    return Hit(id=item.id, kind=item.kind, text=item.text, score=0.0, similarity=0.0, time=item.time,
-               source_ids=list(item.source_ids), importance=item.importance, compressed_text=item.compressed_text)
+        return message_hit(item, chunk_text(item.text), chunk, context=context)
+    return memory_hit(item)
 
 
 def hot_segments(store: MemoryStore, tenant_id: str, user_id: str, n: int, compressed: bool = False) -> list[Segment]:

@@ -1105,10 +1105,7 @@ class Recall:
              near: dict[int, str]) -> Hit:
         found = sorted(c.ranks, key=_LABELS.index)
         if c.kind == _MEMORY:
-            m = mems[c.row_id]
-            return Hit(id=m.id, kind=m.kind, text=m.text, score=c.score, similarity=c.similarity, time=m.time,
-                       source_ids=list(m.source_ids), importance=m.importance, compressed_text=m.compressed_text,
-                       retrievers=found)
+            return memory_hit(mems[c.row_id], score=c.score, similarity=c.similarity, retrievers=found)
         msg = texts[c.row_id]
         pieces = chunk_text(msg.text)
         chunk = min(c.chunk, len(pieces) - 1)
@@ -1116,10 +1113,26 @@ class Recall:
         if "dense" not in c.ranks and qvec is not None:  # found otherwise: its cosine, for the record
             vid = ui.vid_of((_MESSAGE, msg.id, chunk, _VIEW_TEXT))
             sim = float(ui.index.reconstruct(vid) @ qvec[0]) if vid is not None else 0.0
-        return Hit(id=msg.id, kind="message", text=pieces[chunk], score=c.score, similarity=sim, time=msg.time,
-                   source_ids=[msg.id], role=msg.role, session_id=msg.session_id, importance=0.5, chunk=chunk,
-                   compressed_text=msg.compressed_text if len(pieces) == 1 else None, retrievers=found,
-                   name=msg.name, context=near.get(msg.id), keys=msg.keys if chunk == 0 else None)
+        return message_hit(msg, pieces, chunk, score=c.score, similarity=sim, retrievers=found,
+                           context=near.get(msg.id))
+
+
+def message_hit(msg: Message, pieces: list[str], chunk: int = 0, *, score: float = 0.0, similarity: float = 0.0,
+                retrievers: list[str] | None = None, context: str | None = None) -> Hit:
+    """The hit a stored message's piece `chunk` comes back as (`pieces`: `chunk_text(msg.text)`):
+    its compressed form only where it is one piece, its captions (`keys`) with its first piece.
+    Recall and reflection's replays build message hits with this one function."""
+    return Hit(id=msg.id, kind="message", text=pieces[chunk], score=score, similarity=similarity, time=msg.time,
+               source_ids=[msg.id], role=msg.role, session_id=msg.session_id, importance=0.5, chunk=chunk,
+               compressed_text=msg.compressed_text if len(pieces) == 1 else None, retrievers=list(retrievers or []),
+               name=msg.name, context=context, keys=msg.keys if chunk == 0 else None)
+
+
+def memory_hit(m: Memory, *, score: float = 0.0, similarity: float = 0.0, retrievers: list[str] | None = None) -> Hit:
+    """The hit a stored memory (fact, insight) comes back as."""
+    return Hit(id=m.id, kind=m.kind, text=m.text, score=score, similarity=similarity, time=m.time,
+               source_ids=list(m.source_ids), importance=m.importance, compressed_text=m.compressed_text,
+               retrievers=list(retrievers or []))
 
 
 def _prior(ui: UserIndex, row_id: int, pq: ParsedQuery, specific: dict[int, float]) -> float:
