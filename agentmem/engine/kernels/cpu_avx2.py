@@ -994,8 +994,8 @@ void agentmem_avx2_layers_q8(const float *h, float *out, int64_t L, void *const 
 }
 
 /* Causal attention of fp32 query rows over a whole fp32 K/V (prefill chunks, CacheBlend's
-   recomputed rows), on AVX-512 (`vnni512` and `avx512bw` builds) and on AVX2 (below): out[i, h] = softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G]
-   * scale), times V. q/out [Nq, H, hd], qpos int64 [Nq] ascending, k/v [T, KV, hd] at positions
+   recomputed rows), on AVX-512 (`vnni512` and `avx512bw` builds) and on AVX2 (below): out[i, h] =
+   softmax over keys j <= qpos[i] of (q[i, h] . k[j, h / G] * scale), times V. q/out [Nq, H, hd], qpos int64 [Nq] ascending, k/v [T, KV, hd] at positions
    0..T-1, hd a multiple of 16 up to 256. K is packed per KV head as [T16/16, hd, 16] (16 keys in
    the lanes of one vector), so the scores of 32 keys and 8 query rows are 16 accumulators fed by two
    K loads and 8 broadcast FMAs a dim, with no horizontal sums; each task (KV head, query head, 8
@@ -1146,10 +1146,10 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
     }
     return 1;
 #else
-    /* AVX2: the same tasks and the same two-pass softmax with 8 keys in a vector. K is packed per KV
-       head as [T8/8, hd, 8]; the scores of 16 keys and 4 query rows are 8 accumulators fed by two K
-       loads and 4 broadcast FMAs a dim, a task's two halves of 4 rows in turn over the same 16 keys
-       (in L1); P V runs 4 rows and 16 dims a pass over V. */
+    /* AVX2: the same two-pass softmax with 8 keys in a vector. K is packed per KV head as [T8/8, hd,
+       8]; the scores of 16 keys and 4 query rows are 8 accumulators fed by two K loads and 4
+       broadcast FMAs a dim. A task is 8 rows of one KV head with all its query heads, each 4 rows
+       in turn over the same 16 keys (in L1); P V runs 4 rows and 16 dims a pass over V. */
     if (Nq <= 0 || T <= 0) return 1;
     if (hd % 16 || hd > 256 || H % KV) return 0;
     if (qpos[Nq - 1] + 1 < T) T = qpos[Nq - 1] + 1;
@@ -1195,12 +1195,16 @@ int agentmem_avx2_rows_attn_f32(const float *q, const int64_t *qpos, const float
         part = (float *)aligned_alloc(32, (size_t)threads * T16 * 4);
         if (!vnorm || !part) { free(vnorm); free(part); return 0; }
         memset(part, 0, (size_t)threads * T16 * 4);
-        for (int64_t kvh = 0; kvh < KV; kvh++)
-            for (int64_t t = 0; t < T16; t++) {
-                float ss = 0.0f;
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < T16; t++)  /* each key's value norm per KV head, 8 dims a step */
+            for (int64_t kvh = 0; kvh < KV; kvh++) {
+                __m256 ss = _mm256_setzero_ps();
                 if (t < T)
-                    for (int64_t d = 0; d < hd; d++) ss += v[(t * KV + kvh) * hd + d] * v[(t * KV + kvh) * hd + d];
-                vnorm[kvh * T16 + t] = sqrtf(ss);
+                    for (int64_t d = 0; d < hd; d += 8) {
+                        const __m256 x = _mm256_loadu_ps(v + (t * KV + kvh) * hd + d);
+                        ss = _mm256_fmadd_ps(x, x, ss);
+                    }
+                vnorm[kvh * T16 + t] = sqrtf(hsum8(ss));
             }
     }
     #pragma omp parallel num_threads(threads)
@@ -1558,7 +1562,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
 ROWS_MIN = 8  # fewer rows go to SDPA: the kernel computes 8 rows a task whatever their number
 # Keys past which the AVX2 build's rows go to SDPA: a head's packed K (256 bytes a key at hd 64)
 # leaves L2. Session 48, Zen 3 VM, 512 rows after 7,680 keys: 142.2 ms a layer against SDPA's
-# 123.6; after 3,584: 53.7 against 66.9 (model_runner.FP32_ROWS_KERNEL_MAX_KEYS).
+# 123.6; after 3,584: 53.7 against 66.9 (prefill chunks and a blend's rows alike).
 AVX2_ROWS_MAX_KEYS = 4096
 
 
