@@ -562,3 +562,65 @@ def test_many_bf16_rows_of_int4_weights_take_the_kernel_where_set():
     dense = p(x)
     assert not torch.equal(dense, kernel)  # the rows were not quantized
     assert (dense.float() - kernel.float()).norm() < 0.02 * dense.float().norm()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp32"])
+def test_the_residual_joins_the_product_before_its_rounding(fmt, monkeypatch):
+    """`Proj.plus(h, x)` is h + x W^T (+ bias): within one bf16 rounding of the exact sum where
+    oneDNN multiplies many bf16 rows (the add is its post-op: never further from the exact sum
+    than the product and the add rounded apart), and exactly h + p(x) on every other path
+    (the decode kernels' few rows, widened rows, fp32)."""
+    from agentmem.engine import linear
+
+    cpu_gemv.load()  # the kernels' routes as an engine has them (None on a CPU without them)
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    w, b = (0.05 * torch.randn(192, 128, generator=g)).to(dtype), torch.randn(192, generator=g).to(dtype)
+    p = Proj(w, b, fmt)
+    fused = []
+    real = linear._onednn_plus
+    monkeypatch.setattr(linear, "_onednn_plus", lambda *a: fused.append(1) or real(*a))
+    for rows in (3, 600):
+        x = torch.randn(rows, 128, generator=g).to(dtype)
+        h = (10 * torch.randn(rows, 192, generator=g)).to(dtype)
+        for math in ("bf16", "fp32"):
+            p.rows_math, p._prefill_w, fused[:] = math, None, []
+            got = p.plus(h, x)
+            apart = h + p(x)
+            assert got.dtype == dtype and got.shape == (rows, 192)
+            kernel = p.w_gemv is not None and rows <= cpu_gemv.MAX_ROWS  # the decode kernels' rows
+            takes = (dtype == torch.bfloat16 and math == "bf16" and linear.onednn_bf16() and not kernel
+                     and (fmt == "bf16" or p.w_gemv is not None))  # int8 with no kernel: torch's int8 op
+            assert fused == ([1] if takes else [])
+            if not takes:
+                assert torch.equal(got, apart)
+                continue
+            # the weight as oneDNN multiplies it: int8's dequantized copy is in bf16 (`_prefill_weight`)
+            exact = h.double() + x.double() @ dense(p).bfloat16().double().t() + b.double()
+            # one bf16 rounding of the fp32 sums: half a bf16 step, plus the fp32 sums' own error
+            scale = h.double().abs() + x.double().abs() @ dense(p).double().abs().t() + b.double().abs()
+            assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5 * scale).all()
+            assert (got.double() - exact).abs().mean() <= (apart.double() - exact).abs().mean()
+
+
+def test_a_steps_kv_goes_to_the_pool_by_runs_of_slots_as_by_index():
+    """`slot_runs` cuts a step's slots into runs of consecutive slots (None for few rows or
+    many runs), and `KVPool.write` stores K/V by those runs exactly as by the slots' index."""
+    from agentmem.engine.kv_pool import MAX_SLOT_RUNS, KVPool, slot_runs
+    from agentmem.engine.model import ModelArgs
+
+    args = ModelArgs(vocab_size=10, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=16, head_dim=4)
+    slots = list(range(35, 48)) + list(range(80, 112)) + list(range(16, 20))
+    assert slot_runs(slots) == [(35, 0, 13), (80, 13, 32), (16, 45, 4)]
+    assert slot_runs(slots[:10]) is None  # a decode batch's few rows: one index_copy_
+    assert slot_runs(list(range(0, 4 * MAX_SLOT_RUNS, 2))) is None  # every slot its own run
+    assert slot_runs(list(range(100, 100 + 4 * MAX_SLOT_RUNS))) == [(100, 0, 4 * MAX_SLOT_RUNS)]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(len(slots), 1, 4, generator=g), torch.randn(len(slots), 1, 4, generator=g)
+    a, b = (KVPool(args, 8, 16, "cpu", torch.bfloat16) for _ in range(2))
+    for pool in (a, b):
+        pool.k.zero_(), pool.v.zero_()
+    a.write(1, torch.tensor(slots), k, v)
+    b.write(1, slot_runs(slots), k, v)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert torch.equal(b.k[1].view(-1, 1, 4)[80:112], k[13:45].bfloat16())

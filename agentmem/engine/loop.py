@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .compiled import CompiledDecode
 from .cuda_graph import GraphDecode
 from .detokenize import ReplyText
-from .kv_pool import KVPool
+from .kv_pool import KVPool, slot_runs
 from .model_runner import ModelRunner
 from .results import Generation, GenerationStats
 from .sampler import argmax, penalize, sample_row, top_logprobs
@@ -216,7 +216,9 @@ class EngineLoop:
             n = r.k[0].shape[0]
             if n != seq.num_pending:
                 raise ValueError(f"the prefill planner returned K/V for {n} tokens, the prompt has {seq.num_pending}")
-            slots = torch.tensor(self.blocks.slots(seq, 0, n), device=e.device)
+            slot_list = self.blocks.slots(seq, 0, n)
+            runs = slot_runs(slot_list) if e.device.type == "cpu" else None
+            slots = torch.tensor(slot_list, device=e.device) if runs is None else runs
             for i in range(len(r.k)):
                 self.pool.write(i, slots, r.k[i], r.v[i])
         except Exception as exc:

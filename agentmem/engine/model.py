@@ -136,13 +136,13 @@ class Block(nn.Module):
                 and cpu_gemv.finish_takes(h, attn, projs, self.post_norm.weight)):
             # decode rows: one C call and one team of threads for the seven steps below (same bits)
             return cpu_gemv.finish_q8u8(lib, h, attn, *projs, self.post_norm.weight, self.post_norm.eps)
-        h = h + self.o_p(attn)
+        h = self.o_p.plus(h, attn)
         gu = self.gate_up_p(self.post_norm(h))
         if (gu.dtype == torch.bfloat16 and gu.device.type == "cpu" and gu.dim() == 2 and gu.shape[0] > 1
                 and gu.stride(1) == 1 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
             # one C call, bit-identical (Zen 4 VM, 2 threads: 2,048 rows 0.95 against 2.14 ms, 320 rows
             # 0.14 against 0.25, 8 rows 0.010 against 0.013; one row is faster through torch)
-            return h + self.down_p(cpu_gemv.silu_mul(lib, gu))
+            return self.down_p.plus(h, cpu_gemv.silu_mul(lib, gu))
         if (gu.dtype == torch.float32 and gu.device.type == "cpu" and gu.dim() == 2 and gu.stride(1) == 1
                 and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
             # fp32 rows on an AVX2 CPU: the bits `cpu_avx2.layer_q8` computes (decode rows there)

@@ -14,7 +14,7 @@ from .compiled import CompiledDecode, paged_attention
 from .cuda_graph import GraphDecode
 from .kernels import cpu_avx2, cpu_gemv, paged_decode_attention
 from .kernels.reference import sdpa
-from .kv_pool import KVPool
+from .kv_pool import KVPool, slot_runs
 from .layers import visible
 from .model import Transformer
 from .scheduler import Scheduled
@@ -195,11 +195,12 @@ class ModelRunner:
             chunks.append((row, sc.n, sc.seq.num_computed, self._tensor(sc.seq.block_table)))
             row += sc.n
         slots_t = self._tensor(slots)
+        runs = slot_runs(slots) if self.device.type == "cpu" else None
         pool = self.pool
         window = self.model.args.sliding_window
 
         def attn(i, q, k_raw, k_rot, v):
-            pool.write(i, slots_t, k_rot, v)
+            pool.write(i, slots_t if runs is None else runs, k_rot, v)
             if not chunks:
                 return decode_attn(i, q)
             if n_dec == 0 and len(chunks) == 1 and chunks[0][2] == 0:
