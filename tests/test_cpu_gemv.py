@@ -399,28 +399,37 @@ def test_rows_attention_p_setting(lib, monkeypatch):
         cpu_gemv.rows_attention(lib, q, k, v, pos)
 
 
-@pytest.mark.parametrize("keys,rows,heads,kv", [(2048, 40, 9, 3), (37, 1, 4, 4), (300, 7, 8, 2)])
-def test_rows_attention_adds_each_keys_share_as_the_probe_computes_it(lib, keys, rows, heads, kv):
+@pytest.mark.parametrize("keys,rows,heads,kv,hd", [(2048, 40, 9, 3, 64), (37, 1, 4, 4, 64), (300, 7, 8, 2, 64),
+                                                    (200, 19, 4, 2, 128), (130, 33, 6, 3, 32)])
+@pytest.mark.parametrize("way", ["vdpbf16ps", "amx"])
+def test_rows_attention_adds_each_keys_share_as_the_probe_computes_it(lib, keys, rows, heads, kv, hd, way):
     """`share`: per key, attention weight x |v|, summed over rows and heads, added to what the
-    buffer holds (the kvreuse probe sums it over layers), against the fuser's torch path."""
+    buffer holds (the kvreuse probe sums it over layers), against the fuser's torch path; by
+    the vdpbf16ps kernel and on AMX tiles (rows past a row tile's last one are not counted)."""
     from agentmem.kvreuse.fuser import _attend_and_share, causal_bias
 
+    if way == "amx" and not cpu_gemv.amx_usable(lib):
+        pytest.skip("no AMX here (the CPU lacks amx_bf16/amx_tile, or Linux refused the tile state)")
+    attend = cpu_gemv.rows_attention if way == "vdpbf16ps" else cpu_gemv.rows_attention_amx
     g = torch.Generator().manual_seed(keys + rows)
-    q = torch.randn(rows, heads, 64, generator=g).bfloat16()
-    k = torch.randn(keys, kv, 64, generator=g).bfloat16()
-    v = (torch.randn(keys, kv, 64, generator=g) * torch.rand(keys, kv, 1, generator=g) * 3).bfloat16()
+    q = torch.randn(rows, heads, hd, generator=g).bfloat16()
+    k = torch.randn(keys, kv, hd, generator=g).bfloat16()
+    v = (torch.randn(keys, kv, hd, generator=g) * torch.rand(keys, kv, 1, generator=g) * 3).bfloat16()
     pos = torch.randperm(keys - 1, generator=g)[: rows - 1].sort().values
     pos = torch.cat([pos, torch.tensor([keys - 1])])
     out_ref, share_ref = _attend_and_share(q, k, v, causal_bias(pos, keys, heads // kv))
     share = torch.full((keys,), 0.5)
-    out = cpu_gemv.rows_attention(lib, q, k, v, pos, share=share)
+    out = attend(lib, q, k, v, pos, share=share)
     assert (out.float() - out_ref.float()).abs().max() < 3e-2
     share -= 0.5  # it adds to the buffer
     assert torch.allclose(share, share_ref, rtol=2e-2, atol=2e-2 * share_ref.max().item())
     top = min(keys, 50)
     assert len(set(share.topk(top).indices.tolist()) & set(share_ref.topk(top).indices.tolist())) >= 0.9 * top
+    assert torch.equal(attend(lib, q, k, v, pos), out)  # the share changes nothing in the attention
     with pytest.raises(ValueError, match="share"):
-        cpu_gemv.rows_attention(lib, q, k, v, pos, share=torch.zeros(keys, dtype=torch.float64))
+        attend(lib, q, k, v, pos, share=torch.zeros(keys, dtype=torch.float64))
+    with pytest.raises(ValueError, match="share"):
+        attend(lib, q, k, v, pos, share=torch.zeros(keys + 1))
 
 
 def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
@@ -462,7 +471,7 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
         real(lib, q, k, v[:100], torch.arange(48))
     if not cpu_gemv.amx_usable(lib):
         return
-    # the route amx: prefill and the blend's rows on AMX tiles, the probe (share) not
+    # the route amx: prefill, the blend's rows and its probe (with the share) on AMX tiles
     amx_calls = []
     real_amx = cpu_gemv.rows_attention_amx
     monkeypatch.setattr(cpu_gemv, "rows_attention_amx", lambda *a, **kw: amx_calls.append(1) or real_amx(*a, **kw))
@@ -470,7 +479,9 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     tiles = attend_chunk(q, k[:200], v[:200], 152)
     blend_tiles = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert amx_calls == [1, 1] and calls == [1, 1]
-    assert cpu_gemv.rows_attend(q, k, v, rows, share=torch.zeros(200)) is None and amx_calls == [1, 1]
+    share = torch.zeros(200)
+    assert cpu_gemv.rows_attend(q, k, v, rows, share=share) is not None and amx_calls == [1, 1, 1]
+    assert share.sum() > 0 and calls == [1, 1]
     assert (fast.float() - tiles.float()).abs().max() < 3e-2
     assert (blend.float() - blend_tiles.float()).abs().max() < 3e-2
 

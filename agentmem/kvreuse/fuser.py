@@ -323,11 +323,12 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
             k_l, v_l = k_all[idx], v_all[idx]
             k_l.index_copy_(0, rows, k_rot)
             v_l.index_copy_(0, rows, v)
-            if window is None and (lib := cpu_gemv.rows_kernel(q, k_l)) is not None:
+            if window is None and (out := cpu_gemv.rows_attend(q, k_l, v_l, rows, share=share)) is not None:
                 # bf16 on an AVX512-BF16 CPU: the rows' attention and each key's share in one C
                 # call, no weights materialised (session 29: 6.2 -> 0.9 ms a layer for 40 rows
-                # over 2k keys on a Zen 4 VM)
-                return cpu_gemv.rows_attention(lib, q, k_l, v_l, rows, share=share)
+                # over 2k keys on a Zen 4 VM), on AMX tiles where that is the machine's route
+                # (session 49)
+                return out
             if window is None and (lib := cpu_avx2.rows_kernel(q, k_l)) is not None and \
                     (out := cpu_avx2.rows_attention(lib, q, k_l, v_l, rows, share=share)) is not None:
                 # fp32 on cpu_avx2's AVX2 build, likewise (session 48, Zen 3 VM: the probe's
