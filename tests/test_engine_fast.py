@@ -595,7 +595,7 @@ def test_the_residual_joins_the_product_before_its_rounding(fmt, monkeypatch):
             if not takes:
                 assert torch.equal(got, apart)
                 continue
-            # the weight as oneDNN multiplies it: int8's dequantized copy is in bf16 (`_prefill_weight`)
+            # the weight as oneDNN multiplies it: int8's dequantized copy is in bf16 (`_many_rows`)
             exact = h.double() + x.double() @ dense(p).bfloat16().double().t() + b.double()
             # one bf16 rounding of the fp32 sums: half a bf16 step, plus the fp32 sums' own error
             scale = h.double().abs() + x.double().abs() @ dense(p).double().abs().t() + b.double().abs()

@@ -157,10 +157,13 @@ class Proj:
             return torch.ops.agentmem.proj(x, self.key, self.out_features)
         return self.multiply(x)
 
-    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 residual: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x @ W.T (+ bias). `out_dtype` (fp32 for bf16 rows: the LM head's logits) is honoured
         where the engine's own kernels run the product, which then store their fp32 sums as they
-        are instead of rounding them to bf16; elsewhere the result is in the rows' dtype."""
+        are instead of rounding them to bf16; elsewhere the result is in the rows' dtype.
+        `residual` (`plus`'s): a one-element list whose tensor a oneDNN product adds inside it,
+        emptying the list; every other route leaves it there for the caller to add."""
         if self.fmt == "int8":
             if self.q8_route == "avx2" and x.dtype == torch.float32:
                 return self._avx2(x)
@@ -169,14 +172,14 @@ class Proj:
                 return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, out_dtype,
                                           i16=self.q8_route == "i16")
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
-                return self._many_rows(x)
+                return self._many_rows(x, residual)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.q8_route == "q4":
             if x.shape[0] <= self.q4_rows and x.dtype == torch.bfloat16 and (lib := cpu_gemv.loaded()):
                 return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
             if x.dtype == torch.bfloat16:
-                return self._many_rows(x)
+                return self._many_rows(x, residual)
             if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.Q4_MAX_ROWS
                     and (lib := cpu_avx2.loaded())):
                 return cpu_avx2.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
@@ -190,7 +193,7 @@ class Proj:
                 return cpu_gemv.gemv(lib, self.w_gemv, x, self.bias, out_dtype)
             if self.rows_math == "fp32" and self.w_plain is not None:
                 return _widened(x, self.w_plain, self.bias)
-            return _onednn(x, self.packed, self.bias)
+            return _onednn(x, self.packed, self.bias, residual)
         if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.F32_MAX_ROWS and self.w.device.type == "cpu"
                 and (lib := cpu_avx2.f32_kernel()) is not None
                 and (out := cpu_avx2.gemm_f32(lib, self.w, x, self.bias)) is not None):
@@ -212,46 +215,29 @@ class Proj:
         decode kernels add it in their product's store, and no separate pass reads and writes
         the [N, dim] rows again (2,048 rows x 1,536 -> 576, AMX Xeon VM: 2.26-2.60 ms against
         2.45-2.75 for the product and the add, mean error against fp64 0.044 against 0.059).
-        Elsewhere h + multiply(x)."""
-        if (h.dtype == x.dtype == torch.bfloat16 and h.shape == (x.shape[0], self.out_features)
-                and not torch.compiler.is_compiling() and (w := self._onednn_rows_weight(x)) is not None):
-            return _onednn_plus(h, x, w, self.bias)
-        return h + self(x)
+        Elsewhere h + multiply(x). `multiply` routes the product as always: the residual rides
+        along and only `_onednn` takes it."""
+        if (torch.compiler.is_compiling() or not h.dtype == x.dtype == torch.bfloat16
+                or h.shape != (x.shape[0], self.out_features)):
+            return h + self(x)
+        pending = [h]
+        out = self.multiply(x, residual=pending)
+        return h + out if pending else out
 
-    def _onednn_rows_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The oneDNN-packed weight `multiply` would take for bf16 rows x (through `_onednn`),
-        else None (a kernel's few rows, widened rows, a weight with no bf16 copy)."""
-        if x.dtype != torch.bfloat16 or self.rows_math != "bf16" or not onednn_bf16():
-            return None
-        few = x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.loaded() is not None
-        if self.fmt == "int8":
-            return None if self.w_gemv is None or few else self._prefill_weight()
-        if self.q8_route == "q4":
-            return None if x.shape[0] <= self.q4_rows and cpu_gemv.loaded() is not None else self._prefill_weight()
-        if self.fmt == "int4" or self.packed is None:
-            return None
-        return None if self.w_gemv is not None and few else self.packed
-
-    def _prefill_weight(self) -> torch.Tensor:
-        """The bf16 weight of an int8 or int4 projection for many rows: dequantized once at the
-        first use and kept, oneDNN-packed where oneDNN multiplies bf16 natively (`_many_rows`)."""
-        if self._prefill_w is None:
-            w = self.dequantized().to(torch.bfloat16)
-            pack = onednn_bf16() and self.rows_math == "bf16"
-            self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w
-        return self._prefill_w
-
-    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def _many_rows(self, x: torch.Tensor, residual: list[torch.Tensor] | None = None) -> torch.Tensor:
         """bf16 rows past the kernels' (prefill) for int8 or int4 weights: the dequantized weight
         in bf16, oneDNN-packed once at the first such call and kept (512 rows of the widest
         projection: 4.2 ms so, 4.6 dequantizing at every call, which cost a short prompt ~40 ms a
         forward, and 12.6 through `_weight_int8pack_mm`). So with the kernels int8 and int4 are
         speed formats, not memory ones: the compact weights for decode, bf16 for prefill."""
-        self._prefill_weight()
+        if self._prefill_w is None:
+            w = self.dequantized().to(torch.bfloat16)
+            pack = onednn_bf16() and self.rows_math == "bf16"
+            self._prefill_w = torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w
         if self.rows_math == "fp32":
             return _widened(x, self._prefill_w, self.bias)
         if onednn_bf16():
-            return _onednn(x, self._prefill_w, self.bias)
+            return _onednn(x, self._prefill_w, self.bias, residual)
         return F.linear(x, self._prefill_w, self.bias)
 
     def _avx2(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +257,12 @@ class Proj:
         return torch.mm(x, self._rows_w_t) if self.bias is None else torch.addmm(self.bias, x, self._rows_w_t)
 
 
-def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T (+ bias) for a weight oneDNN packed (`_reorder_linear_weight`)."""
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+            residual: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a weight oneDNN packed (`_reorder_linear_weight`), plus the tensor
+    in `residual` where one is pending (`Proj.plus`; taken out of the list)."""
+    if residual:
+        return _onednn_plus(residual.pop(), x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
