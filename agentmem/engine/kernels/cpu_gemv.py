@@ -968,6 +968,23 @@ static inline __attribute__((always_inline)) void ra_pv_bf16(const uint32_t *vh,
         }
     }
 }
+/* |v| of each key's value vector per KV head, for the kvreuse probe's share: vn[kvh * stride + t]
+   over v bf16 [T, KV, hd], 0 for t in [T, stride) (the rows and AMX kernels' padded keys). */
+static void bf16_value_norms(const uint16_t *v, int64_t T, int64_t KV, int64_t hd, float *vn, int64_t stride,
+                             int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < KV * stride; i++) {
+        const int64_t kvh = i / stride, t = i % stride;
+        __m512 n2 = _mm512_setzero_ps();
+        for (int64_t d = 0; t < T && d < hd; d += 16) {
+            const __mmask16 m = hd - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - d)) - 1);
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_maskz_loadu_epi16(m, v + (t * KV + kvh) * hd + d)), 16));
+            n2 = _mm512_fmadd_ps(x, x, n2);
+        }
+        vn[i] = sqrtf(_mm512_reduce_add_ps(n2));
+    }
+}
 void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint16_t *k, const uint16_t *v,
                              uint16_t *out, int64_t Nq, int64_t H, int64_t KV, int64_t hd, int64_t T, float scale,
                              int threads, float *share, int split) {
@@ -995,17 +1012,8 @@ void agentmem_rows_attn_bf16(const uint16_t *q, const int64_t *qpos, const uint1
                 vd[d] = lo | (hi << 16);
             }
         }
-        if (vn)
-            for (int64_t t = 0; t < 16; t++) {
-                const int64_t j = b * 16 + t;
-                float n2 = 0.0f;
-                for (int64_t d = 0; d < hd && j < T; d++) {
-                    const float x = bf16_to_f32(vu[(j * KV + kvh) * hd + d]);
-                    n2 += x * x;
-                }
-                vn[kvh * T16 + j] = sqrtf(n2);
-            }
     }
+    if (vn) bf16_value_norms(v, T, KV, hd, vn, T16, threads);
     const int64_t nb = (Nq + ROWS - 1) / ROWS;
     #pragma omp parallel num_threads(threads)
     {
@@ -1697,19 +1705,7 @@ void agentmem_rows_attn_amx(const uint16_t *q, const int64_t *qpos, const uint16
     const int64_t TP = (T + AMX_KB - 1) / AMX_KB * AMX_KB, np = hd / 2, nc = TP / 32;
     uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)KV * TP * hd * 2);
     float *vn = share ? (float *)aligned_alloc(64, (size_t)KV * TP * 4) : NULL;  /* |v| per KV head and key */
-    if (vn) {
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < KV * T; i++) {  /* key-major: v's rows in order */
-            const uint16_t *vr = v + i * hd;
-            __m512 n2 = _mm512_setzero_ps();
-            for (int64_t d = 0; d < hd; d += 16) {
-                const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(vr + d))), 16));
-                n2 = _mm512_fmadd_ps(x, x, n2);
-            }
-            vn[(i % KV) * TP + i / KV] = sqrtf(_mm512_reduce_add_ps(n2));
-        }
-    }
+    if (vn) bf16_value_norms(v, T, KV, hd, vn, TP, threads);
     uint16_t *kt = (uint16_t *)aligned_alloc(64, (size_t)KV * AMX_KB * hd * 2);
     const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
