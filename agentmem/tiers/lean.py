@@ -54,17 +54,26 @@ class LeanBert:
                     layer.intermediate.dense.weight, layer.intermediate.dense.bias,
                     layer.output.dense.weight, layer.output.dense.bias, layer.output.LayerNorm.weight,
                     layer.output.LayerNorm.bias))
-        # bf16 where oneDNN multiplies it natively: the four weights of a layer packed once for
-        # it, the GELU and the residual adds its post-ops (`_layer_onednn`). F.linear on an
-        # unpacked bf16 weight reorders it at every call: one thread, 12 rows x 384 -> 1,536,
-        # 138 us against 84 packed (AMX Xeon VM)
+        # the layer's three kinds of product: x W^T + b, gelu(x W^T + b) and x W^T + b + r. In bf16
+        # where oneDNN multiplies it natively, the four weights of a layer are packed once for it
+        # and the GELU and the residual add are its post-ops (one rounding each instead of two):
+        # F.linear on an unpacked bf16 weight reorders it at every call (one thread, 12 rows x
+        # 384 -> 1,536: 138 us against 84 packed, AMX Xeon VM)
+        import torch.nn.functional as F
+
         from ..engine.linear import onednn_bf16
 
-        self.onednn = self.word.dtype == torch.bfloat16 and onednn_bf16()
-        if self.onednn:
-            pack = torch.ops.mkldnn._reorder_linear_weight
+        if self.word.dtype == torch.bfloat16 and onednn_bf16():
+            pack, lin = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
             self.layers = [(pack(wqkv, 1), bqkv, pack(wo, 1), bo, g1, b1, pack(wi, 1), bi, pack(wo2, 1), bo2, g2, b2)
                            for wqkv, bqkv, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2 in self.layers]
+            self.dense = lambda x, w, b: lin(x, w, b, "none", [], "")
+            self.dense_gelu = lambda x, w, b: lin(x, w, b, "gelu", [], "none")
+            self.dense_add = lambda x, r, w, b: lin.binary(x, r, w, b, "add")
+        else:
+            self.dense = F.linear
+            self.dense_gelu = lambda x, w, b: F.gelu(F.linear(x, w, b))
+            self.dense_add = lambda x, r, w, b: F.linear(x, w, b) + r
 
     @classmethod
     def of(cls, st_model) -> LeanBert | None:
@@ -100,27 +109,11 @@ class LeanBert:
         h = F.layer_norm(h, (d,), *self.ln0, self.eps)
         hd = d // self.heads
         for wqkv, bqkv, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2 in self.layers:
-            if self.onednn:
-                h = self._layer_onednn(h, n, hd, wqkv, bqkv, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2)
-                continue
-            qkv = F.linear(h, wqkv, bqkv).view(n, 3, self.heads, hd).permute(1, 2, 0, 3)
+            qkv = self.dense(h, wqkv, bqkv).view(n, 3, self.heads, hd).permute(1, 2, 0, 3)
             a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(0, 1).reshape(n, d)
-            h = F.layer_norm(F.linear(a, wo, bo) + h, (d,), g1, b1, self.eps)
-            h = F.layer_norm(F.linear(F.gelu(F.linear(h, wi, bi)), wo2, bo2) + h, (d,), g2, b2, self.eps)
+            h = F.layer_norm(self.dense_add(a, h, wo, bo), (d,), g1, b1, self.eps)
+            h = F.layer_norm(self.dense_add(self.dense_gelu(h, wi, bi), h, wo2, bo2), (d,), g2, b2, self.eps)
         return F.normalize(h.mean(0), dim=0)
-
-    def _layer_onednn(self, h, n, hd, wqkv, bqkv, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2):
-        """One layer in bf16 on oneDNN-packed weights: the same ops, the GELU (erf) and the
-        residual adds inside the products (one rounding each instead of two)."""
-        import torch
-        import torch.nn.functional as F
-
-        lin, d = torch.ops.mkldnn._linear_pointwise, h.shape[-1]
-        qkv = lin(h, wqkv, bqkv, "none", [], "").view(n, 3, self.heads, hd).permute(1, 2, 0, 3)
-        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(0, 1).reshape(n, d)
-        h = F.layer_norm(lin.binary(a, h, wo, bo, "add"), (d,), g1, b1, self.eps)
-        return F.layer_norm(lin.binary(lin(h, wi, bi, "gelu", [], "none"), h, wo2, bo2, "add"), (d,), g2, b2,
-                            self.eps)
 
     def check(self, encode, tolerance: float) -> bool:
         """Whether this forward gives `encode`'s vectors on CHECK_TEXTS (cosine within
