@@ -325,6 +325,40 @@ def test_a_repeated_small_talk_turn_counts_less_once_its_twin_is_taken():
     assert not _letter_words("3 deadlines") & _letter_words("8 deadlines") - {"deadlines"}
 
 
+def test_the_diverse_pick_equals_the_greedy_rule_it_implements():
+    """`_diverse` updates each item's weight per pick; the rule it implements recomputes every
+    weight against every pick so far. Random rankings with ties, shared sessions, sessionless
+    items (memories) and near-duplicate texts pick the same items in the same order."""
+    import random
+
+    from agentmem.tiers.recall import DUPLICATE_DECAY, SESSION_DECAY, _Cand, _diverse, _repeats
+
+    def reference(ranked, k, session_of, words_of):
+        left, taken, seen, out = list(ranked), {}, [], []
+        while left and len(out) < k:
+            def weight(item):
+                w = item[0].score * SESSION_DECAY ** taken.get(session_of(item), 0)
+                return w * DUPLICATE_DECAY if _repeats(words_of(item), seen) else w
+            item = left.pop(max(range(len(left)), key=lambda i: weight(left[i])))
+            if (s := session_of(item)) is not None:
+                taken[s] = taken.get(s, 0) + 1
+            seen.append(words_of(item))
+            out.append(item)
+        return out
+
+    rng = random.Random(7)
+    vocab = ["tea", "run", "cello", "flat", "keys", "work", "home", "late", "park", "cat"]
+    for _ in range(200):
+        n = rng.randint(0, 30)
+        ranked = [(_Cand(0, i, score=rng.choice([1.0, 0.5, rng.random()])),
+                   rng.choice(["a", "b", "c", None]), frozenset(rng.sample(vocab, rng.randint(0, 4))))
+                  for i in range(n)]
+        for k in (1, 5, 10):
+            got = _diverse(ranked, k, lambda cr: cr[1], lambda cr: cr[2])
+            assert [c.row_id for c, *_ in got] == [c.row_id for c, *_ in reference(ranked, k, lambda cr: cr[1],
+                                                                                    lambda cr: cr[2])]
+
+
 @pytest.mark.parametrize("query", ["the of and a", "x" * 100_000, '" * NEAR : -( ) ^ AND OR NOT',
                                    "café ünïcode 東京 emoji 🎻", "SELECT * FROM messages; --", "NEAR(a b, 2)"])
 def test_bad_queries_give_results_or_clear_errors(store, query):

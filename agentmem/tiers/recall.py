@@ -1273,25 +1273,31 @@ def _diverse(ranked: list, k: int, session_of: Callable, words_of: Callable | No
     """Greedy: each further hit from a session counts SESSION_DECAY less, so the top k spread
     over sessions when their scores are close, and stay together when they are not; a hit that
     repeats the words of one already taken (`words_of`) counts DUPLICATE_DECAY less. The
-    order changes, the scores do not (a hit's score is its relevance)."""
+    order changes, the scores do not (a hit's score is its relevance).
+    Each item's session, words and whether it repeats a taken one are read once and updated
+    per pick against that pick alone (k x n set overlaps, not k x n x k)."""
     left = list(ranked)
+    sessions = [session_of(item) for item in left]
+    words = [words_of(item) for item in left] if words_of is not None else None
+    repeats = [False] * len(left)
     taken: dict[str, int] = {}
-    seen: list[frozenset[str]] = []
     out = []
-
-    def weight(item) -> float:
-        w = item[0].score * SESSION_DECAY ** taken.get(session_of(item), 0)
-        return w * DUPLICATE_DECAY if words_of is not None and _repeats(words_of(item), seen) else w
-
     while left and len(out) < k:
-        best = max(range(len(left)), key=lambda i: weight(left[i]))
-        item = left.pop(best)
-        s = session_of(item)
+        best, best_w = 0, -math.inf
+        for i, item in enumerate(left):  # the first of equal weights, as max() takes it
+            w = item[0].score * SESSION_DECAY ** taken.get(sessions[i], 0)
+            if repeats[i]:
+                w *= DUPLICATE_DECAY
+            if w > best_w:
+                best, best_w = i, w
+        out.append(left.pop(best))
+        s = sessions.pop(best)
+        repeats.pop(best)
         if s is not None:
             taken[s] = taken.get(s, 0) + 1
-        if words_of is not None:
-            seen.append(words_of(item))
-        out.append(item)
+        if words is not None:
+            got = words.pop(best)
+            repeats = [r or _repeats(w, [got]) for r, w in zip(repeats, words, strict=True)]
     return out
 
 
