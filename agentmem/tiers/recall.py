@@ -943,10 +943,13 @@ class Recall:
         """Per-view ranks from one result list in rank order: `keys` decide ties, `sims` are
         the cosines the candidates report."""
         out = _DenseRanks(depth)
-        for key, sim, vid in zip(keys, sims, vids, strict=True):
+        pieces = ui.pieces
+        # as Python numbers once: a few hundred results, each read as a numpy scalar cost more
+        for key, sim, vid in zip(np.asarray(keys).tolist(), np.asarray(sims).tolist(), np.asarray(vids).tolist(),
+                                 strict=True):
             if vid < 0:
                 continue
-            piece = ui.pieces.get(int(vid))
+            piece = pieces.get(vid)
             if piece is None:
                 continue
             kind, row_id, chunk, view = piece
@@ -954,7 +957,7 @@ class Recall:
                 continue
             name = "facts" if kind == _MEMORY else ("context" if view == _VIEW_CONTEXT else "dense")
             if name in use:
-                out.add(name, kind, row_id, chunk, view, float(sim), float(key))
+                out.add(name, kind, row_id, chunk, view, sim, key)
         return out
 
     def _rank(self, tenant_id: str, user_id: str, ui: UserIndex, qvec, pq: ParsedQuery, cands: dict,
