@@ -439,10 +439,15 @@ class Archive:
         walk down the index on (tenant, user, id) to one end or over the ids after `after_id`,
         so the cost does not grow with the history (0, 0, 0: none)."""
         scope = (MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id)
+        # one statement of three scalar subqueries, each planned as it was alone (SQLite's
+        # min/max walk to one end of the index, PostgreSQL's index-only scans): every search
+        # asks this, and on PostgreSQL each statement is a round trip
+        q = select(select(func.min(MessageRow.id)).where(*scope).scalar_subquery(),
+                   select(func.max(MessageRow.id)).where(*scope).scalar_subquery(),
+                   select(func.count()).select_from(MessageRow).where(*scope, MessageRow.id > after_id)
+                   .scalar_subquery())
         with self.tx() as s:
-            low = s.scalar(select(func.min(MessageRow.id)).where(*scope))
-            top = s.scalar(select(func.max(MessageRow.id)).where(*scope))
-            recent = s.scalar(select(func.count()).select_from(MessageRow).where(*scope, MessageRow.id > after_id))
+            low, top, recent = s.execute(q).one()
             return int(low or 0), int(top or 0), int(recent or 0)
 
     def message_meta(self, tenant_id: str, user_id: str, ids: Iterable[int]) -> dict[int, MessageMeta]:
