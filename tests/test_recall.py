@@ -325,6 +325,41 @@ def test_a_repeated_small_talk_turn_counts_less_once_its_twin_is_taken():
     assert not _letter_words("3 deadlines") & _letter_words("8 deadlines") - {"deadlines"}
 
 
+def test_one_query_search_matches_faiss_and_restores_the_thread_setting():
+    """`_one_query` scans on one OpenMP thread of the calling thread: the same neighbours as
+    FAISS's own search (with and without a selector), and this thread's setting as it was."""
+    import threading
+
+    import faiss
+
+    from agentmem.tiers.recall import _one_query
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3000, 32)).astype(np.float32)
+    index = faiss.IndexIDMap2(faiss.IndexFlatIP(32))
+    index.add_with_ids(x, np.arange(10, 3010, dtype=np.int64))
+    q = x[5:6] + 0.01
+    sel = faiss.SearchParameters(sel=faiss.IDSelectorRange(100, 2000))
+    out = {}
+
+    def run():
+        faiss.omp_set_num_threads(2)
+        out["plain"] = _one_query(index, q, 50)
+        out["selected"] = _one_query(index, q, 50, sel)
+        out["after"] = faiss.omp_get_max_threads()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    want, want_ids = index.search(q, 50)
+    assert np.array_equal(out["plain"][1], want_ids) and np.allclose(out["plain"][0], want)
+    assert out["plain"][1][0, 0] == 15
+    got = out["selected"][1][0]
+    assert np.array_equal(got, index.search(q, 50, params=sel)[1][0])
+    assert ((got >= 100) & (got < 2000)).all()
+    assert out["after"] == 2
+
+
 def test_the_diverse_pick_equals_the_greedy_rule_it_implements():
     """`_diverse` updates each item's weight per pick; the rule it implements recomputes every
     weight against every pick so far. Random rankings with ties, shared sessions, sessionless
