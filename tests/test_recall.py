@@ -497,6 +497,41 @@ def test_lazy_index_and_hard_time_filters(store):
     assert sorted(h.text for h in hits) == [f"Day {i}: I walked the dog in the park" for i in (300, 301, 302)]
 
 
+def test_the_exact_index_holds_fp16_and_an_fp32_one_is_converted_on_load(tmp_path, embedder, monkeypatch):
+    """Below the IVF's size the index scans every vector, held as fp16. An index written by an
+    earlier version (fp32 `IndexFlatIP`) is narrowed when it is loaded: the same ids and
+    vectors, nothing embedded again, the same hits."""
+    import faiss
+
+    from agentmem.tiers import recall
+
+    store = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    sid = store.open_session("default", "ann").id
+    topics = ["sailing", "baking bread", "chess", "gardening", "jazz"]
+    msgs = store.add_messages("default", "ann", sid, [
+        {"role": "user", "content": f"Day {i}: today was about {topics[i % 5]} with friend number {i}"}
+        for i in range(60)] + [{"role": "user", "content": "I finally bought a second-hand cello"}])
+    ui = store.recall.sync("default", "ann")
+    base = faiss.downcast_index(ui.index.index)
+    assert isinstance(base, faiss.IndexScalarQuantizer) and base.code_size == 2 * ui.index.d
+    before = [h.id for h in store.search("default", "ann", "Which instrument did she buy?", k=5)]
+    assert before[0] == msgs[-1].id
+    vecs, ids = recall._all_vectors(ui.index)
+    old = faiss.IndexIDMap2(faiss.IndexFlatIP(ui.index.d))
+    old.add_with_ids(vecs, ids)
+    ui.index, ui.dirty = old, 1
+    store.recall.flush("default", "ann")
+    store.recall._indexes.pop(("default", "ann"))
+    monkeypatch.setattr(embedder, "embed", lambda texts, **kw: pytest.fail("embedded again"))
+    again = store.recall._current(("default", "ann"), store.recall._epoch(("default", "ann")))
+    assert isinstance(faiss.downcast_index(again.index.index), faiss.IndexScalarQuantizer) and again.dirty
+    back, back_ids = recall._all_vectors(again.index)
+    assert np.array_equal(back_ids, ids) and np.abs(back - vecs).max() < 1e-3
+    monkeypatch.undo()
+    assert [h.id for h in store.search("default", "ann", "Which instrument did she buy?", k=5)] == before
+    store.close()
+
+
 def test_large_history_moves_to_an_ivf_index(tmp_path, embedder, monkeypatch):
     import faiss
 
