@@ -360,6 +360,60 @@ def test_one_query_search_matches_faiss_and_restores_the_thread_setting():
     assert out["after"] == 2
 
 
+def test_the_pre_cut_scores_equal_the_rule_written_out():
+    """`_pre_scores` (the order the metadata cut keeps) is each candidate's fused score times its
+    text prior, its window factor and its speaker boost, computed for all candidates at once;
+    the rule written out per candidate gives the same numbers on random candidates."""
+    import math
+    import random
+    from types import SimpleNamespace
+
+    from agentmem.tiers import recall
+    from agentmem.tiers.query import ParsedQuery
+    from agentmem.tiers.timeparse import TimeWindow
+
+    rnd = random.Random(7)
+    t0 = datetime(2023, 5, 1, tzinfo=UTC).timestamp()
+    rows = list(range(1, 301))
+    ui = SimpleNamespace(info={r: rnd.choice([1.0, 0.41, 0.82]) for r in rows if rnd.random() < 0.7},
+                         asks={r for r in rows if rnd.random() < 0.1},
+                         times={r: t0 + rnd.uniform(-60, 60) * 86400 for r in rows if rnd.random() < 0.95},
+                         who={r: rnd.randrange(3) for r in rows if rnd.random() < 0.8},
+                         codes={"Priya": 0, "Tom": 1, "Ana": 2})
+    specific = {r: rnd.random() for r in rows if rnd.random() < 0.9}
+    labels = ["dense", "context", "lexical", "facts", "time", "person"]
+    cands = []
+    for r in rows:
+        c = recall._Cand(recall._MESSAGE, r, lexical_share=rnd.random())
+        for label in rnd.sample(labels, rnd.randrange(1, 4)):
+            c.ranks[label] = rnd.randrange(100)
+        cands.append(c)
+    window = TimeWindow(datetime(2023, 4, 20, tzinfo=UTC), datetime(2023, 5, 10, tzinfo=UTC), "in late April")
+
+    def written_out(c, pq):
+        f = ui.info.get(c.row_id, 1.0) * specific.get(c.row_id, 1.0) * (
+            recall.QUESTION_WEIGHT if c.row_id in ui.asks else 1.0)
+        t = ui.times.get(c.row_id)
+        if pq.window is not None and t is not None:
+            lo, hi = pq.window.since.timestamp(), pq.window.until.timestamp()
+            if lo <= t < hi:
+                f *= recall.WINDOW_BOOST
+            elif lo - recall.NEAR_WINDOW_S <= t < hi + recall.NEAR_WINDOW_S:
+                f *= recall.NEAR_WINDOW_BOOST
+        if pq.people and c.row_id in ui.who:
+            f *= recall.SPEAKER_BOOST if any(ui.codes.get(p) == ui.who[c.row_id] for p in pq.people) else 1.0
+        fused = sum(recall.WEIGHTS[k] / (recall.RRF_K + v) for k, v in c.ranks.items())
+        if "lexical" in c.ranks:
+            fused -= recall.WEIGHTS["lexical"] / (recall.RRF_K + c.ranks["lexical"]) * (1 - math.sqrt(c.lexical_share))
+        return fused * f
+
+    for pq in (ParsedQuery("q", []), ParsedQuery("q", [], people=["Tom"], window=window),
+               ParsedQuery("q", [], people=["Priya", "Nobody"]), ParsedQuery("q", [], window=window)):
+        got = recall._pre_scores(ui, cands, pq, specific)
+        assert got == [written_out(c, pq) for c in cands]
+        assert len(set(got)) > 200  # the factors vary: the comparison is not between constants
+
+
 def test_the_diverse_pick_equals_the_greedy_rule_it_implements():
     """`_diverse` updates each item's weight per pick; the rule it implements recomputes every
     weight against every pick so far. Random rankings with ties, shared sessions, sessionless
