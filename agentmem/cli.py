@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tenant": ("agentmem.api.admin", "create / list / delete tenants and API keys"),
     "reflect": ("agentmem.reflect.cli", "run offline reflection for one user or all"),
     "models": ("agentmem.engine.models_cli", "show / provision the model weights"),
+    "mcp": ("agentmem.integrations.mcp_server", "MCP server over stdio for one user (Claude Desktop, Cursor, agents)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("agentmem.engine.bench", "engine prefill/decode/batching vs HF transformers"),
@@ -24,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "recall-cache": ("agentmem.tiers.soak", "resident memory over 10,000 users, recall cache bounded vs not"),
     "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
     "replies": ("agentmem.bench_replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
+    "mcp": ("agentmem.bench.mcp", "MCP tool latency over stdio and HTTP vs the Python API"),
 }
 
 

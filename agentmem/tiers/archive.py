@@ -37,7 +37,9 @@ from .schema import (
     MemoryRow,
     MessageRow,
     RowIdSecretRow,
+    SessionItemRow,
     SessionRow,
+    StoreItemRow,
     SummaryRow,
     TenantRow,
     TurnRow,
@@ -56,7 +58,8 @@ IDEMPOTENCY_RUN_TIMEOUT = timedelta(minutes=10)  # a claim older than this was a
 DEFAULT_BLOCK_LIMIT = 2000  # characters; MemGPT's default core block size
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_MIGRATION_LOCK = 0x61676D656D  # any constant shared by every agentmem process
-_USER_TABLES = (MessageRow, MemoryRow, SummaryRow, CoreBlockRow, CoreBlockEditRow, TurnRow, SessionRow, AgentRow)
+_USER_TABLES = (MessageRow, MemoryRow, SummaryRow, CoreBlockRow, CoreBlockEditRow, TurnRow, SessionRow, AgentRow,
+                SessionItemRow, StoreItemRow)
 
 
 def clean_text(text: str | bytes, what: str = "text", allow_empty: bool = False) -> str:

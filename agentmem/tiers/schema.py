@@ -17,11 +17,13 @@ from .records import InvalidInput
 from .sizes import (
     ID_CHARS,
     IDEMPOTENCY_KEY_CHARS,
+    ITEM_KEY_CHARS,
     KIND_CHARS,
     LABEL_CHARS,
     MAX_TIME,
     MIN_TIME,
     NAME_CHARS,
+    NAMESPACE_CHARS,
     ROLE_CHARS,
     SESSION_ID_CHARS,
 )
@@ -252,3 +254,37 @@ class TurnRow(Base):
     trace: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (Index("ix_turns_scope", "tenant_id", "user_id", "session_id"),)
+
+
+class SessionItemRow(Base):
+    """One item of an agent framework's session log, exactly as the framework gave it (the
+    OpenAI Agents SDK's input items: messages, function calls and their outputs), in order.
+    Its readable text, where it has one, is also an archive message (`message_id`), so what
+    an agent's session said becomes the user's searchable memory."""
+
+    __tablename__ = "session_items"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ID)
+    user_id: Mapped[str] = mapped_column(NAME)
+    session_id: Mapped[str] = mapped_column(SESSION_ID)
+    item: Mapped[dict] = mapped_column(JSON)
+    message_id: Mapped[int | None] = mapped_column(ROW_ID, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index("ix_session_items_scope", "tenant_id", "user_id", "session_id", "id"),)
+
+
+class StoreItemRow(Base):
+    """A key-value item of an agent framework's store (LangGraph's BaseStore), under a
+    namespace path. Its searchable text is a memory of the user (`memory_id`), so the
+    store's search is agentmem's hybrid recall."""
+
+    __tablename__ = "store_items"
+    tenant_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    user_id: Mapped[str] = mapped_column(NAME, primary_key=True)
+    namespace: Mapped[str] = mapped_column(String(NAMESPACE_CHARS), primary_key=True)
+    key: Mapped[str] = mapped_column(String(ITEM_KEY_CHARS), primary_key=True)
+    value: Mapped[dict] = mapped_column(JSON)
+    memory_id: Mapped[int | None] = mapped_column(ROW_ID, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index("ix_store_items_memory", "tenant_id", "user_id", "memory_id"),)

@@ -16,6 +16,8 @@ KIND_CHARS = 32  # memory kind
 LABEL_CHARS = 64  # core block label
 ROLE_CHARS = 16
 IDEMPOTENCY_KEY_CHARS = 255
+NAMESPACE_CHARS = 512  # a framework store's namespace path, its labels joined (integrations/langgraph.py)
+ITEM_KEY_CHARS = 255  # a framework store's item key
 MAX_BLOCK_LIMIT = 100_000  # characters a core block may be limited to
 
 # a time is stored as naive UTC; these bounds leave room for any UTC offset (+-1 day)
