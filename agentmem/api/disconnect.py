@@ -10,7 +10,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 
-from ..engine.engine import cancel_on
+from ..engine.cancel import cancel_on
 from .errors import ApiError
 
 

@@ -8,7 +8,6 @@ cached KV for them instead of prefilling again. The engine itself knows nothing 
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import warnings
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, resolve_kv_mode
+from .cancel import CANCEL_POLL_S, cancel_on, current_cancel_event  # noqa: F401 (cancel_on: re-exported)
 from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
@@ -355,24 +355,6 @@ class Engine(ChatText):
         return s.result
 
 
-_CANCEL = threading.local()
-CANCEL_POLL_S = 0.1  # how often a stream under `cancel_on` looks at its event while it waits
-
-
-@contextlib.contextmanager
-def cancel_on(event: threading.Event | None):
-    """Streams started in this thread inside the block are cancelled once `event` is set,
-    even while no text comes (a reply's text can be held back for many tokens: stop strings,
-    the loop detector's settling), and end as finish_reason "cancelled". The API's plain
-    requests use it for a client that has gone (`api/disconnect.py`)."""
-    before = getattr(_CANCEL, "event", None)
-    _CANCEL.event = event
-    try:
-        yield
-    finally:
-        _CANCEL.event = before
-
-
 class GenerationStream:
     """Iterator of text pieces as they are produced; `.result` holds the whole Generation
     once exhausted. Closing it (or dropping it) early cancels the request, and so does
@@ -381,7 +363,7 @@ class GenerationStream:
     def __init__(self, seq: Sequence):
         self._seq = seq
         self.result: Generation | None = None
-        self._cancel: threading.Event | None = getattr(_CANCEL, "event", None)
+        self._cancel: threading.Event | None = current_cancel_event()
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -402,11 +384,12 @@ class GenerationStream:
         if self._cancel is None:
             return self._seq.out.get()
         while True:
+            if self._cancel.is_set():
+                self.close()  # the loop finishes the sequence and sends its Generation
             try:
                 return self._seq.out.get(timeout=CANCEL_POLL_S)
             except queue.Empty:
-                if self._cancel.is_set():
-                    self.close()  # the loop finishes the sequence and sends its Generation
+                pass
 
     def close(self) -> None:
         if self.result is None:

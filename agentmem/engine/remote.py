@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from ..config import Config
+from .cancel import current_cancel_event
 from .defaults import sampling_defaults
 from .engine import ChatText, Segment
 from .errors import EmptyPrompt, EngineUnavailable, PromptTooLong
@@ -265,6 +266,7 @@ class RemoteStream:
         self._usage: dict = {}
         self._timings: dict = {}
         self._ttft: float | None = None
+        self._cancel = current_cancel_event()
         self.result: Generation | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -274,6 +276,10 @@ class RemoteStream:
         if self.result is not None:
             raise StopIteration
         while True:
+            if self._cancel is not None and self._cancel.is_set():
+                self._finish = "cancelled"
+                self._done()  # closing the connection makes the server stop generating
+                raise StopIteration
             try:
                 line = next(self._lines, None)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
@@ -320,7 +326,8 @@ class RemoteStream:
                   "completion_tokens": u.get("completion_tokens"), "cached_tokens": cached, "ttft_s": ttft}
         stats = RemoteStats(prompt_tokens=prompt, completion_tokens=completion, reused_tokens=cached or 0,
                             prefilled_tokens=prompt - (cached or 0), ttft_s=ttft, total_s=total,
-                            finish_reason="length" if self._finish == "length" else "stop", server=server)
+                            finish_reason=self._finish if self._finish in ("length", "cancelled") else "stop",
+                            server=server)
         self.result = Generation(text, self._engine.encode(text), stats)
 
     def close(self) -> None:
