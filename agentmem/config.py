@@ -110,7 +110,7 @@ class Config(BaseSettings):
 
     # --- kv reuse --------------------------------------------------------------------------
     # auto: blend on the CPU, full (exact prefix reuse in the paged pool only) on CUDA. On an H200
-    # (session 30, `bench blend`, 2k-token prompts of the 135M model) full prefill took 44 ms,
+    # (2026-11-26, `bench blend`, 2k-token prompts of the 135M model) full prefill took 44 ms,
     # the blend 63 and plain reuse 118: a small model's GPU prefill is bound by kernel launches,
     # and the blend's probe, selection and drift add launches rather than cut them.
     kv_mode: str = "auto"  # auto | full | reuse | blend
@@ -144,8 +144,8 @@ class Config(BaseSettings):
     # --- replicas (cluster/, api/shared_rate.py, kvreuse/shared_tier.py) -------------------
     redis_url: str | None = None  # e.g. redis://host:6379/0: rate limits and a chunk-KV tier shared by replicas
     redis_kv_bytes: int = 1 << 30  # the shared chunk-KV tier's budget, across all replicas
-    # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py). 1024 since
-    # session 45: a 100,000-message user's index is ~250 MB (fp16 vectors in its IVF), and at 256
+    # users' recall indexes kept in memory; the rest wait on disk (tiers/byte_lru.py). 1024, not
+    # 256: a 100,000-message user's index is ~250 MB (fp16 vectors in its IVF), and at 256
     # any other user's search evicted it, so its next search read it back (~1 s a search)
     recall_cache_mb: int = 1024
     # dense recall ranks with this many of a user's own top principal directions taken out (0:

@@ -1,4 +1,4 @@
-"""The service under hostile and careless tenants (issue 18), against a real server: input
+"""The service under hostile and careless tenants, against a real server: input
 that used to answer 500 answers 4xx or 200 and leaves nothing behind, every error is JSON and
 counted, deletion is final, authentication is bounded and rate limited."""
 

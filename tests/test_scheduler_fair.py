@@ -1,4 +1,4 @@
-"""Fair share between tenants (issue 18 item 1): in the engine's scheduler one tenant's 16
+"""Fair share between tenants: in the engine's scheduler one tenant's 16
 streams do not starve another's one, and the service runs only a few of one tenant's memory
 requests at once. Pure scheduling, no model."""
 

@@ -266,8 +266,8 @@ _WHICH = textwrap.dedent("""
 def test_the_runtime_asked_is_torchs_when_another_libgomp_is_loaded_first():
     """scikit-learn (imported by sentence-transformers) bundles a libgomp of its own. Releasing
     pools or setting thread counts in that copy does nothing to torch's threads: one stream's
-    decode read 47 tok/s against 179 after request threads had embedded queries (session 37,
-    Xeon VM), because their idle pools were never released."""
+    decode read 47 tok/s against 179 after request threads had embedded queries (Xeon VM
+    with AMX, 2026-11-27), because their idle pools were never released."""
     out = subprocess.run([sys.executable, "-c", _WHICH], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     copies, torchs, inside = out.stdout.split()

@@ -238,7 +238,7 @@ class KeySlots:
     A decode step's attention reads every key of every row by its slot. Built from the block
     tables by tensor ops each step, that was ~10 small torch calls a step, each slow after a
     step's layers have passed ~60 MB of weights through the caches (~0.2 ms of a 3.9 ms
-    one-stream step on the Zen 4 VM, session 44); kept here in numpy, a step adds its new
+    one-stream step on the Zen 4 VM, 2026-11-29); kept here in numpy, a step adds its new
     position's slot with scalar work. The table prefix the slots were computed from is kept
     too: where the table changed under them (a block copied on write, a preempted sequence
     given new blocks), they are computed again."""

@@ -20,7 +20,7 @@ engine on the eager path, and says why (logged, and in `failed`).
 
 Compiled is not always faster: the padded KV width costs attention over up to twice the keys,
 and the four products are the same library calls either way. On the 2-core Intel Xeon VM
-with AMX (bf16, session 9) one stream decoded at 26.7 tok/s compiled against 30.3 eager; on
+with AMX (bf16, 2026-11-24) one stream decoded at 26.7 tok/s compiled against 30.3 eager; on
 the AMD EPYC VM before, 14.4 against 14.2. So with `measure` (compile=auto on the CPU) the
 first steps of each bucket alternate the two paths, TRIALS timed steps each, and the bucket
 keeps the faster by its best step (`prefer`, `record`; the choice is logged and kept in
@@ -29,7 +29,7 @@ by torch, the model's shape, dtype and weight format, the threads, the CPU's SIM
 kernels' source; not saved while the machine is busy, measured.py), and a bucket remembered as
 eager (or not yet measured, where every measured width of its batch size went eager) is never
 compiled again on this machine: with the fused C decode step eager decodes
-2.6x faster than compiled on the AMX Xeon VM (167 against 65 tok/s, session 37), and the
+2.6x faster than compiled on the AMX Xeon VM (167 against 65 tok/s, 2026-11-27), and the
 compile, even from inductor's disk cache, held the first reply of every process for ~5 s
 (its trace takes the lock the eager steps take, threads.py).
 """

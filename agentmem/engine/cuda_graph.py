@@ -2,7 +2,7 @@
 
 On a GPU a decode step of this project's small models is bound by launching kernels, not by
 reading weights: SmolLM2-135M runs ~25 kernels a layer, 30 layers, and each eager launch costs
-Python and driver time. On an H200 (session 30) the eager engine decoded 72 tok/s against a
+Python and driver time. On an H200 (2026-11-26) the eager engine decoded 72 tok/s against a
 bandwidth bound of 14,500, HF transformers 57. torch.compile's "reduce-overhead" mode did not
 help: inductor skips CUDA graphs for a graph that writes its inputs (the paged pool's K/V
 `index_copy_`), so compile=on decoded 70 tok/s.

@@ -179,7 +179,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     """The paged KV pool's dtype for `kv_dtype=name` and engine dtype `dtype`. auto: fp16 for an
     fp32 engine on the CPU with the AVX2 kernels loaded (their decode attention and fused layer
     read and write fp16 K/V: a long context's or many streams' K/V cost half the bytes a step,
-    and prefill keeps fp32 within a chunk; docs/engine.md, session 35), else the engine's dtype.
+    and prefill keeps fp32 within a chunk; docs/engine.md, "The CPU kernels"), else the engine's dtype.
     An explicit dtype must be the engine's, or float16 where auto would take it."""
     half_ok = device.type == "cpu" and dtype == torch.float32 and cpu_avx2.loaded() is not None
     if name == "auto":

@@ -7,7 +7,7 @@ the CPU's hardware prefetchers stop at each page boundary, and the TLB (3,072 en
 Debian default, never backs them with huge ones). So the GEMV layouts of a model's projections
 are copied, in the order a decode step reads them (each layer's qkv, o, gate/up, down; then the
 LM head), into one anonymous mapping advised `MADV_HUGEPAGE` and aligned to 2 MB, and the
-projections use views of it. Session 36, Zen 4 VM, 2 threads, the 30 layers and the LM head of
+projections use views of it. Zen 4 VM, 2026-11-27, 2 threads, the 30 layers and the LM head of
 one decode token, best of 6 alternated: 6.25 -> 5.61 ms for one row, 7.98 -> 7.38 for eight.
 
 `AGENTMEM_HUGEPAGES=off` keeps torch's own allocations (an A/B switch, read at use). Where the

@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     if (x.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
             and x.device.type == "cpu" and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
-        # one C call, any number of rows (decode rows only until session 31: a 2,048-row
+        # one C call, any number of rows (it once took decode rows only: a 2,048-row
         # prefill's 61 norms cost 171 ms through torch, ~31 so). It rounds as the torch path
         # below, but sums the squares in another order: with activations in the thousands a few
         # elements of a 512-token forward land one bf16 step apart (perplexity 9.001 -> 9.025

@@ -35,7 +35,7 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   on the shipped model), where int8's one scale a row rounds them. Half int8's bytes a decode
   step: on a 2-core Zen 4 VM one stream 156-180 -> 207-238 tok/s, while eight streams, bound by
   `vpdpbusd` rather than memory, stay where int8's are (836-1,044 against 875-1,031 tok/s in two
-  A/Bs; session 40). With fp32 rows (AVX2) the AVX2 library's q4 product (`vpmaddubsw`) takes
+  A/Bs; 2026-11-28). With fp32 rows (AVX2) the AVX2 library's q4 product (`vpmaddubsw`) takes
   up to `cpu_avx2.Q4_MAX_ROWS` rows, an fp32 copy more. The LM head stays int8 under int4 (model.py). Elsewhere
   `_weight_int4pack_mm_for_cpu` (groups with a scale and an offset: perplexity +3.8% over bf16
   when it was measured, docs/engine.md).
@@ -403,8 +403,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     # its few rows: fp32 on the AVX2 route (`Proj._avx2`), bf16 through oneDNN (or widened, as
     # rows_math says) with the AVX512-BF16 kernels (`Proj.multiply`). That is the same product as
     # the dense format's, so timing both would only compare noise: on a noisy 2-core VM, 32
-    # against 40 ms once chose fp32 at 2.1x slower decode (session 30), and 7.7 against 6.5 ms
-    # chose bf16 at 0.56x int8's decode on a Zen 4 VM (session 33)
+    # against 40 ms once chose fp32 at 2.1x slower decode (Zen 3 VM, 2026-11-26), and 7.7 against
+    # 6.5 ms chose bf16 at 0.56x int8's decode on a Zen 4 VM (2026-11-27)
     same_rows = cpu_gemv.fits_shape(shape) and ((own == "fp32" and cpu_avx2.loaded() is not None)
                                                 or (own == "bf16" and cpu_gemv.loaded() is not None))
     if same_rows:
@@ -479,7 +479,7 @@ def resolve_q4_rows(name: str) -> int:
     `cpu_gemv.MAX_ROWS`; more, as a prefill's, multiply a bf16 copy of the weights on oneDNN) or
     kernel (any number: the rows quantized to int8 per 64 inputs, as decode's are).
 
-    The kernel is the faster way on the Zen 4 VM at every size (session 44, one layer's four
+    The kernel is the faster way on the Zen 4 VM at every size (2026-11-29, one layer's four
     products: 24 rows 0.44 against 0.62 ms, 512 rows 8.0 against 8.7; a 2,048-token prefill
     ~10% faster, a 350-token prompt ~20%), and perplexity did not move (8.4147 -> 8.4042 on 512
     tokens). But `bench memory` answered fewer questions with it on each of five workload

@@ -9,7 +9,7 @@ kernels' source. A file that cannot be read is measured again; one that cannot b
 costs a measurement per process, nothing else.
 
 A choice timed while other work holds the machine (its 1-minute load average above its core
-count) is used by this process only and not saved: on the Zen 3 VM of session 30 a choice made
+count) is used by this process only and not saved: on a Zen 3 VM (2026-11-26) a choice made
 beside another benchmark timed int8's one-row product at 577 us against fp32's 477 (quiet:
 150 against 381) and, remembered, kept every later process on fp32 at a third of int8's
 decode speed.
@@ -106,7 +106,7 @@ def best_seconds(fn: Callable[[], object], repeats: int, per: int = 1) -> float:
 def best_seconds_each(fns: dict[str, Callable[[], object]], repeats: int, per: int = 1) -> dict[str, float]:
     """`best_seconds` of each candidate, timed in turns (one call of each, `repeats` rounds), so
     that a burst of load from a neighbour on a shared host slows every candidate alike. Timed
-    one after another instead, a 2-core Xeon VM (session 34, bf16 products swinging 970-2,500
+    one after another instead, a 2-core Xeon VM (2026-11-27, bf16 products swinging 970-2,500
     GFLOP/s from one second to the next) ranked the int8 routes backwards: u8 238 us, i16 142,
     against 199 and 222 for the same products taken in turns."""
     for fn in fns.values():

@@ -22,10 +22,10 @@ from .sequence import Sequence
 
 # Keys up to which a prompt chunk of fp32 rows takes the AVX-512 build of cpu_avx2's rows kernel
 # rather than torch's SDPA (the AVX2 build's own bound, `cpu_avx2.AVX2_ROWS_MAX_KEYS`, is in
-# `rows_kernel`, for a blend's rows too). Session 42, Skylake-SP VM, 512-row chunks of a 2,048-token
+# `rows_kernel`, for a blend's rows too). Skylake-SP VM, 2026-11-28, 512-row chunks of a 2,048-token
 # prompt, ms a layer, SDPA against the kernel, alternated: keys 512 5.7 / 3.6, 1,024 14.1 / 13.0,
 # 1,536 20.9 / 17.9, 2,048 28.5 / 29.9 (SDPA's flash kernel on a dense causal chunk catches up); a
-# 350-token prompt 4.1 / 1.8. The AVX2 build, session 48, Zen 3 VM, the same chunks, SDPA / kernel:
+# 350-token prompt 4.1 / 1.8. The AVX2 build, Zen 3 VM, 2026-11-29, the same chunks, SDPA / kernel:
 # keys 512 5.8 / 2.5, 1,024 12.5 / 8.2, 2,048 25.1-26.4 / 20.4-22.2, 4,096 66.9 / 53.7, 8,192
 # 123.6 / 142.2 (the packed K of a head no longer stays in L2); 350 rows 3.1 / 1.2.
 FP32_ROWS_KERNEL_MAX_KEYS = 1536

@@ -43,7 +43,7 @@ class TraceLock:
 
     torch.compile traces with torch.fx, which replaces nn.Module.__call__ and __getattr__ for
     the whole process while it runs: a module called from another thread meanwhile is routed
-    into the compile's tracer and fails ("module is not installed as a submodule"; session 30:
+    into the compile's tracer and fails ("module is not installed as a submodule"; once
     the embedder, while the decode step compiled in the background, killed `bench memory`). So
     a compile takes this lock `exclusive`, and agentmem's module calls take it `shared`: an
     engine loop step, Engine.logits and prefill_dense, the blend (kvreuse.fuse), the
@@ -117,8 +117,8 @@ def _libgomp() -> ctypes.CDLL | None:
 
     Other wheels bundle their own libgomp (scikit-learn, which sentence-transformers imports,
     loads `scikit_learn.libs/libgomp-*.so`): each copy is a runtime of its own, with its own
-    thread pools and settings, so only torch's may be asked. Until session 37 the first copy
-    by path was taken, scikit-learn's wherever the embedder had been loaded before the first
+    thread pools and settings, so only torch's may be asked. Taking the first copy
+    by path, as this once did, took scikit-learn's wherever the embedder had been loaded before the first
     call: pools were released and thread counts set in a runtime torch does not use."""
     global _lib
     with _lookup:

@@ -117,7 +117,7 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
     that model's RoPE (its scaling included): the Triton kernel on CUDA (fed the model's
     inverse frequencies); on the CPU the model's own Rotary, bit-identical to its forward (in
     bf16 on an AVX512-BF16 CPU and fp32 on an AVX2 one, the engine's RoPE kernel a layer at a
-    time, written straight into `out`: session 29, Zen 4 VM, a 2k-token blend's 8 chunks 38 ->
+    time, written straight into `out`: Zen 4 VM, 2026-11-26, a 2k-token blend's 8 chunks 38 ->
     9 ms in one check; in `bench blend` the place part stayed ~27 ms, which also holds
     allocating the blend's K/V).
     With `out` ([L, n, KV, hd], e.g. the blend's K at the chunk's place) the result goes there."""
@@ -156,7 +156,7 @@ def kv_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     thread that the next prefill takes again once nothing holds the last one's K/V (the engine
     loop writes them into its pool and drops them), instead of fresh memory: an fp32 2k-token
     blend's K/V are 2 x 47 MB, past glibc's mmap threshold, so each prefill's came from new
-    pages and took their page faults on first touch (Zen 3 VM, session 35: placing the chunks
+    pages and took their page faults on first touch (Zen 3 VM, 2026-11-27: placing the chunks
     65-70 ms a prefill in fresh memory, 15 ms in reused). A caller that keeps a result (two blends
     compared) makes the next one allocate. On CUDA the caching allocator already reuses."""
     n = math.prod(shape)
@@ -229,9 +229,9 @@ class RowAttention:
         """q [Nq,H,hd] at the rows, k/v [n_keys,KV,hd] -> [Nq,H,hd]."""
         if self.kernel and (out := cpu_gemv.rows_attend(q, k, v, self.q_pos)) is not None:
             return out
-        # fp32 rows on a CPU without bf16, cpu_avx2's kernel (session 42, Skylake-SP VM, AVX-512:
-        # ~320 late rows over 2k keys 17.2 -> 12.3 ms a layer against this grouped SDPA; session 48,
-        # Zen 3 VM, AVX2: ~310 rows over 2k keys 10.2 -> 7.7 ms)
+        # fp32 rows on a CPU without bf16, cpu_avx2's kernel (Skylake-SP VM, AVX-512, 2026-11-28:
+        # ~320 late rows over 2k keys 17.2 -> 12.3 ms a layer against this grouped SDPA; Zen 3 VM,
+        # AVX2, 2026-11-29: ~310 rows over 2k keys 10.2 -> 7.7 ms)
         if self.window is None and (lib := cpu_avx2.rows_kernel(q, k)) is not None and \
                 (out := cpu_avx2.rows_attention(lib, q, k, v, self.q_pos)) is not None:
             return out
@@ -325,13 +325,12 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
             v_l.index_copy_(0, rows, v)
             if window is None and (out := cpu_gemv.rows_attend(q, k_l, v_l, rows, share=share)) is not None:
                 # bf16 on an AVX512-BF16 CPU: the rows' attention and each key's share in one C
-                # call, no weights materialised (session 29: 6.2 -> 0.9 ms a layer for 40 rows
-                # over 2k keys on a Zen 4 VM), on AMX tiles where that is the machine's route
-                # (session 49)
+                # call, no weights materialised (6.2 -> 0.9 ms a layer for 40 rows over 2k keys
+                # on a Zen 4 VM, 2026-11-26), on AMX tiles where that is the machine's route
                 return out
             if window is None and (lib := cpu_avx2.rows_kernel(q, k_l)) is not None and \
                     (out := cpu_avx2.rows_attention(lib, q, k_l, v_l, rows, share=share)) is not None:
-                # fp32 on cpu_avx2's AVX2 build, likewise (session 48, Zen 3 VM: the probe's
+                # fp32 on cpu_avx2's AVX2 build, likewise (Zen 3 VM, 2026-11-29: the probe's
                 # attention 45 -> ~10 ms of a 2k-token blend)
                 return out
             if bias is None:
@@ -449,7 +448,7 @@ class _Drift:
         self.span_t = torch.tensor(self.spans, dtype=torch.int64).view(-1, 2)
         self.tables = model.rotary.tables()
         # the engine's C kernel where it takes the layers' K (bf16 on an AVX512-BF16 CPU): one
-        # call a layer, reading the tables by position (session 29, Zen 4 VM: the drift part
+        # call a layer, reading the tables by position (Zen 4 VM, 2026-11-26: the drift part
         # of `bench blend` 0.030 -> 0.014 s)
         self.lib = cpu_gemv.loaded() if model.embed_tokens.weight.device.type == "cpu" else None
 

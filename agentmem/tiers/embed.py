@@ -23,7 +23,7 @@ QUICK_CHARS = 512  # a call this short (a query) takes the quick lane, beside th
 # A query's forward (~16 tokens through MiniLM) runs on one thread: its ~100 small parallel
 # regions each waited for an OpenMP worker that libgomp lets sleep at once when the process
 # holds more threads than cores (the engine's loop), 18 ms against 7 raw on a 2-core Zen 4
-# (session 36); on one thread no worker is woken.
+# (2026-11-27); on one thread no worker is woken.
 QUERY_THREADS = 1
 # how close the quick lane's own forward (`lean.LeanBert`) must come to `encode` to be used:
 # in fp32 they differ by rounding (cosine 1 - 1e-7); in bf16 each op's output is rounded and

@@ -6,8 +6,8 @@ transformers' BertModel that costs ~14 ms on one core of a 2-core Zen 4 in fp32,
 modules on every call. This runs the same forward as ~40 tensor ops: the embeddings and
 their LayerNorm, then per layer one fused QKV projection (the three weights concatenated
 once), SDPA, the output projection with its residual and LayerNorm, the GELU feed-forward
-with its residual and LayerNorm; mean pooling and L2 normalisation last (session 39:
-14.0 -> 10.0 ms a question; the vectors within 1.1e-7 of `encode`'s).
+with its residual and LayerNorm; mean pooling and L2 normalisation last (Zen 4 VM,
+2026-11-28: 14.0 -> 10.0 ms a question; the vectors within 1.1e-7 of `encode`'s).
 
 One text at a time, unpadded, so no attention mask is needed: the quick lane's calls
 (`embed.Embedder`). `LeanBert.of` takes only the shape it knows (a BERT encoder with absolute

@@ -122,7 +122,7 @@ PG_KEYS_WEIGHT = 0.35  # a word found only in a message's captions (`keys`), as 
 
 
 def _pg_bm25(terms: list[str], table: str, extra: str, weighted: bool, params: dict, rows: int | None = None) -> str:
-    """PostgreSQL's statement for the BM25 ranking FTS5 gives (session 45). `ts_rank_cd` weighs
+    """PostgreSQL's statement for the BM25 ranking FTS5 gives. `ts_rank_cd` weighs
     every word alike, with no inverse document frequency: "today" counted as much as "cello",
     and the full-text ranking alone found 0.597 of the second hand-written set's evidence where
     FTS5's bm25 finds 0.647. Here each query word that a row holds adds its idf over this

@@ -134,7 +134,7 @@ def mask_capitalised(text: str) -> str:
     never say their name, so the name would pull the embedded question toward the turns that
     greet them ("Hi Priya!"), as an unmasked speaker's name did before `mask_names`. The
     full-text terms keep every word, so a third person still finds the turns that name them.
-    Measured in session 41 on the hand-written conversations and generator seed 2 imported with
+    Measured on the Zen 4 VM (2026-11-28) on the hand-written conversations and generator seed 2 imported with
     roles only (no `name`, no "Name:" prefix): recall@10 0.682 -> 0.800 and 0.541 -> 0.691
     (imported with names: 0.877 and 0.768, unchanged by this); which-person questions there
     0.929 -> 0.881 on the hand-written set, where third persons lose their name's pull."""

@@ -76,7 +76,7 @@ RRF_K = 10
 WEIGHTS = {"dense": 1.0, "context": 1.0, "lexical": 1.0, "facts": 1.5, "time": 1.0, "person": 1.0,
            "neighbour": 0.0}  # a turn found only through its neighbour's rank: no vote of its own
 # a turn that only asks ("Read anything good lately?") answers nothing itself; its answer is found
-# by the answer's own context view. 0.75 until session 31; dev seeds 1 / 2 (recall@10, bf16
+# by the answer's own context view. It weighed 0.75 before; dev seeds 1 / 2 (recall@10, bf16
 # MiniLM): 0.75 0.817 / 0.763, 0.5 0.823 / 0.763, 0.3 0.823 / 0.770, 0.15 and 0.05 0.823 / 0.768
 QUESTION_WEIGHT = 0.3
 WINDOW_SLACK = timedelta(days=3)
@@ -90,7 +90,7 @@ BRIEF_DEPTH = 25
 # (`event_time`). People announce an event before it and tell of it after ("off to Madeira on
 # Friday!", then "I'm back, I miss Madeira already"; "under 4 weeks until the defence", then
 # "defended yesterday!!"), and the announcement often matches the question best: the window then
-# began weeks early. Session 46, recall@10 on generator seeds 1 / 2, hand-written sets 1 / 2, the
+# began weeks early. Zen 4 VM, 2026-11-29, recall@10 on generator seeds 1 / 2, hand-written sets 1 / 2, the
 # best hit alone 0.826 / 0.768 / 0.874 / 0.803; the latest of 3 at a share of 0.3 / 0.5 / 0.6 /
 # 0.7 / 0.8 / 0.9: 0.823 / 0.826 / 0.826 / 0.826 / 0.826 / 0.826 on seed 1, 0.770 on seed 2 (0.768
 # at 0.9), 0.878 / 0.879 / 0.879 / 0.885 / 0.885 / 0.880 on the first hand-written set (temporal
@@ -111,7 +111,7 @@ NEIGHBOUR_CHARS = 200  # of that neighbour turn, at most
 # to the turns just before and after it in its session (`_neighbour_support`). Hand-written set
 # (6 conversations, 174 questions, recall@10): 0 0.863, 0.1 0.874, 0.15 0.877, 0.2 0.874, 0.3
 # 0.867, 0.5 0.853; with 0.2, a head of 1 x k 0.871, 2 x 0.874, 4 x 0.874. Generator dev seeds
-# 1 / 2 (session 34): 0.823 / 0.770 -> 0.823 / 0.765 at 0.15 (one which-person question).
+# 1 / 2 (2026-11-27): 0.823 / 0.770 -> 0.823 / 0.765 at 0.15 (one which-person question).
 NEIGHBOUR_SUPPORT = 0.15
 NEIGHBOUR_HEAD = 2
 SESSION_DECAY = 0.85  # each further hit from one session counts this much less
@@ -119,7 +119,7 @@ SESSION_DECAY = 0.85  # each further hit from one session counts this much less
 # hit already taken ("Working from home today, still in pyjamas at 7pm" / "... at 5pm") adds
 # little that the first did not: it counts this much less, so one piece of small talk said
 # again and again cannot fill the top k (Jaccard of the two word sets at least
-# DUPLICATE_OVERLAP). Dev seeds 1 / 2 of `bench recall` (session 30): 0.792 / 0.745 without;
+# DUPLICATE_OVERLAP). Dev seeds 1 / 2 of `bench recall` (2026-11-26): 0.792 / 0.745 without;
 # overlap 0.6, decay 0.5: 0.817 / 0.753; 0.6, 0.3: 0.823 / 0.758; 0.5, 0.3 (kept): 0.823 /
 # 0.778; 0.4, 0.3: 0.823 / 0.783, with seed 2's which-person questions lower. No category fell.
 DUPLICATE_OVERLAP = 0.5
@@ -398,7 +398,7 @@ class Recall:
         user's vectors move to an inverted-file index (k-means lists, IVF_NPROBE of them
         searched), retrained when the history has grown 4x since. Ids and vectors are kept.
 
-        The IVF holds its vectors in fp16 (`QT_fp16`, since session 45): a 100,000-message user
+        The IVF holds its vectors in fp16 (`QT_fp16`): a 100,000-message user
         (~220,000 vectors) took ~430 MB in memory as fp32, more than the default cache
         (`recall_cache_mb`) holds, so every other user's search evicted it and its next search
         read it back from disk (~1.1 s). fp16 halves the vectors and their scan (300 of 200,000
@@ -454,7 +454,7 @@ class Recall:
                 self._maybe_ivf(ui)
             elif isinstance(ui.index, faiss.IndexIDMap2) and isinstance(faiss.downcast_index(ui.index.index),
                                                                         faiss.IndexFlat):
-                # written before the exact index kept fp16 vectors (session 51): the same vectors
+                # written before the exact index kept fp16 vectors: the same vectors
                 # and ids, narrowed, no text embedded again
                 vectors, ids = _all_vectors(ui.index)
                 ui.index = self._new_index()
@@ -752,7 +752,7 @@ class Recall:
             raise
         # the question's own archive reads (its votes, the candidates' metadata and texts, their
         # neighbours) share one transaction: on PostgreSQL each transaction cost a pool checkout
-        # with its liveness ping, BEGIN and COMMIT, ~12 of them a search (session 45, 10,000
+        # with its liveness ping, BEGIN and COMMIT, ~12 of them a search (Zen 5 VM, 2026-11-29, 10,000
         # messages, analysed tables: 63 -> 32 server round trips a search, p50 39-41 -> 32-34 ms;
         # SQLite 16.3 -> 15.3 ms). The pool threads' searches open their own.
         with self.archive.tx():
@@ -1152,7 +1152,7 @@ def _pre_scores(ui: UserIndex, cands: list[_Cand], pq: ParsedQuery, specific: di
     META_CANDIDATES by this: a turn inside the window, by the person asked about, ranked far down
     the whole history ("Which dish did Tom make in July 2022?" among a year of both people
     cooking) must not be cut before its boosts. The people's speaker codes are read once for all
-    candidates (~900 at 100,000 messages; timed, ~0.3 ms of a search, session 51)."""
+    candidates (~900 at 100,000 messages; timed, ~0.3 ms of a search on the Zen 4 VM, 2026-11-29)."""
     codes = {ui.codes.get(p) for p in pq.people} if pq.people else None
     out = []
     for c in cands:
@@ -1316,8 +1316,8 @@ def _diverse(ranked: list, k: int, session_of: Callable, words_of: Callable | No
 
 
 def _flat16(dim: int) -> faiss.IndexScalarQuantizer:
-    """The exact index's storage: every vector scanned, held as fp16 (as the IVF holds them
-    since session 45). Session 51, 25,000 vectors of 384 dimensions, one query on one thread:
+    """The exact index's storage: every vector scanned, held as fp16 (as the IVF holds them).
+    Zen 4 VM, 2026-11-29, 25,000 vectors of 384 dimensions, one query on one thread:
     0.64 ms against 1.45 for fp32 (IndexFlatIP), half the memory, the same top 100; a cosine
     moves by ~1e-4, far below the gaps that order a ranking."""
     return faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
@@ -1328,7 +1328,7 @@ def _one_query(index, qvec: np.ndarray, k: int, params=None) -> tuple[np.ndarray
     FAISS splits a single query's exact scan over its OpenMP threads; on the 2-core VM, with the
     full-text search running beside it on a pool thread, waking and joining the second thread
     cost more than it saved: 25,000 vectors scanned in 4.0 ms on two threads, 1.45 ms on one
-    (session 51, Zen 4; the same top k). Concurrent searches are the service's parallelism."""
+    (Zen 4 VM, 2026-11-29; the same top k). Concurrent searches are the service's parallelism."""
     before = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:

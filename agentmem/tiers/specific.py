@@ -39,7 +39,7 @@ def topical(words: list[str]) -> list[str]:
     People say the same small talk again with other numbers ("still in pyjamas at 7pm" / "at
     9pm", "3 deadlines" / "8 deadlines"); each numeral is rare, so it made every repeat look
     specific. A turn stating a number as a fact ("I counted my fountain pens: 212") still has
-    its words. Session 29, dev seeds 1 / 2 (recall@10 of `search`, 161 / 196 questions):
+    its words. Zen 4 VM, 2026-11-26, dev seeds 1 / 2 (recall@10 of `search`, 161 / 196 questions):
     0.786 -> 0.792 and 0.742 -> 0.753 (seed 2's distractor questions 0.68 -> 0.76), no
     category lower."""
     return [w for w in words if not any(c.isdigit() for c in w)]
