@@ -62,8 +62,8 @@ bench: setup bench-peers
 	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 | tail -1 > docs/bench/blend-short-chunks.json
 	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 --drift 0 | tail -1 > docs/bench/blend-short-chunks-no-drift.json
 	$(BENCH) recall --json | tail -1 > docs/bench/recall.json
-	$(BENCH) recall --json --dataset agentmem/recall_bench/data/handwritten.json | tail -1 > docs/bench/recall-handwritten.json
-	$(BENCH) recall --json --dataset agentmem/recall_bench/data/handwritten2.json | tail -1 > docs/bench/recall-handwritten2.json
+	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten.json | tail -1 > docs/bench/recall-handwritten.json
+	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten2.json | tail -1 > docs/bench/recall-handwritten2.json
 	$(BENCH) memory --json | tail -1 > docs/bench/memory.json
 	$(BENCH) serve --json | tail -1 > docs/bench/serve.json
 

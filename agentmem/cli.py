@@ -17,14 +17,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mcp": ("agentmem.integrations.mcp_server", "MCP server over stdio for one user (Claude Desktop, Cursor, agents)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "engine": ("agentmem.engine.bench", "engine prefill/decode/batching vs HF transformers"),
+    "engine": ("agentmem.bench.engine", "engine prefill/decode/batching vs HF transformers"),
     "kernels": ("agentmem.engine.kernels.bench", "attention/RoPE kernels vs their torch peers"),
-    "blend": ("agentmem.kvreuse.bench", "chunk-KV reuse: full vs reuse vs CacheBlend"),
-    "memory": ("agentmem.bench_memory", "multi-session memory QA workload"),
-    "recall": ("agentmem.recall_bench.bench", "evidence recall on generated multi-session conversations"),
-    "recall-cache": ("agentmem.tiers.soak", "resident memory over 10,000 users, recall cache bounded vs not"),
-    "serve": ("agentmem.api.bench", "REST service under N concurrent clients"),
-    "replies": ("agentmem.bench_replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
+    "blend": ("agentmem.bench.blend", "chunk-KV reuse: full vs reuse vs CacheBlend"),
+    "memory": ("agentmem.bench.memory", "multi-session memory QA workload"),
+    "recall": ("agentmem.bench.recall", "evidence recall on generated multi-session conversations"),
+    "recall-cache": ("agentmem.bench.recall_cache", "resident memory over 10,000 users, recall cache bounded vs not"),
+    "serve": ("agentmem.bench.serve", "REST service under N concurrent clients"),
+    "replies": ("agentmem.bench.replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
     "mcp": ("agentmem.bench.mcp", "MCP tool latency over stdio and HTTP vs the Python API"),
 }
 

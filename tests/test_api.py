@@ -185,7 +185,7 @@ def test_bounded_concurrent_load_has_no_errors(api):
     """N clients (AGENTMEM_LOAD_CLIENTS, default 4) chat for a fixed time
     (AGENTMEM_LOAD_SECONDS, default 6; each client stops after 20 turns): every request must
     succeed. p50 / p99 are printed, not asserted."""
-    from agentmem.api.bench import percentile
+    from agentmem.bench.serve import percentile
 
     clients = int(os.environ.get("AGENTMEM_LOAD_CLIENTS", "4"))
     stop = time.monotonic() + float(os.environ.get("AGENTMEM_LOAD_SECONDS", "6"))
@@ -344,7 +344,7 @@ def test_two_replicas_on_postgresql_share_tenants_and_memory(engine, embedder, p
 def test_bench_measure_reports_each_request(api):
     """The bench's client loop against the live server (the full `agentmem bench serve` runs
     two server processes and is run by hand)."""
-    from agentmem.api.bench import main, measure, percentile
+    from agentmem.bench.serve import main, measure, percentile
 
     url, keys, _ = api
     r = measure(url, keys["acme"][1], clients=2, requests=2, max_tokens=2, prefix="bench")
@@ -398,7 +398,7 @@ def test_bench_replicas_accounts_where_the_cpu_went():
     """`bench serve --replicas`: CPU read from /proc, and rounds merged by wall time."""
     import os
 
-    from agentmem.api.bench_replicas import allowed_cpus, cpu_seconds, machine_seconds, merge
+    from agentmem.bench.serve_replicas import allowed_cpus, cpu_seconds, machine_seconds, merge
 
     t = cpu_seconds(os.getpid())
     # /proc counts in clock ticks (10 ms): on a fast CPU one loop can end inside the same tick,

@@ -15,7 +15,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from agentmem.api.bench import neighbour, start
+from agentmem.bench.serve import neighbour, start
 
 SEARCH_FLOOR_S = 1.0
 TTFT_FLOOR_S = 2.5

@@ -209,7 +209,7 @@ def test_a_call_that_max_tokens_cuts_is_never_sent_and_says_length(oa):
 
 
 def test_the_bench_counts_only_what_a_client_can_use():
-    from agentmem.bench_replies import usable
+    from agentmem.bench.replies import usable
 
     tools = {"f": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from agentmem.recall_bench import CATEGORIES, generate, scale_history
-from agentmem.recall_bench.bench import ranked_messages, run, scores
-from agentmem.recall_bench.words import content_stems, shared_stems
+from agentmem.bench.recall import ranked_messages, run, scores
+from agentmem.bench.recall_data import CATEGORIES, generate, scale_history
+from agentmem.bench.recall_data.words import content_stems, shared_stems
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def _own_file(tmp_path, **over):
 
 
 def test_own_layout_loads_turns_dates_captions_and_evidence(tmp_path):
-    from agentmem.recall_bench.dataset import TURN_GAP, load_dataset
+    from agentmem.bench.recall_data.dataset import TURN_GAP, load_dataset
 
     data, skipped = load_dataset(_own_file(tmp_path))
     (conv,) = data.conversations
@@ -177,9 +177,9 @@ def test_shipped_hand_written_sets_load_whole_and_in_order(name):
     names turns of its own conversation), sessions in date order, the five categories."""
     from importlib import resources
 
-    from agentmem.recall_bench.dataset import load_dataset
+    from agentmem.bench.recall_data.dataset import load_dataset
 
-    path = resources.files("agentmem.recall_bench") / "data" / name
+    path = resources.files("agentmem.bench.recall_data") / "data" / name
     data, skipped = load_dataset(str(path))
     assert skipped == 0 and len(data.questions) >= 170
     assert {q.category for q in data.questions} == {"single_hop", "multi_hop", "temporal", "which_person",
@@ -200,7 +200,7 @@ def test_shipped_hand_written_sets_load_whole_and_in_order(name):
 def test_a_speaker_called_assistant_is_the_assistants_own_replies(tmp_path):
     import json
 
-    from agentmem.recall_bench.dataset import load_dataset
+    from agentmem.bench.recall_data.dataset import load_dataset
 
     doc = {"conversations": [{"id": "E", "speakers": ["Hana", "assistant"], "sessions": [
         {"date": "2023-03-02T21:10:00", "turns": [
@@ -218,7 +218,7 @@ def test_a_speaker_called_assistant_is_the_assistants_own_replies(tmp_path):
 def test_locomo_style_layout_loads(tmp_path):
     import json
 
-    from agentmem.recall_bench.dataset import load_dataset
+    from agentmem.bench.recall_data.dataset import load_dataset
 
     sample = {"sample_id": "s1", "conversation": {
         "speaker_a": "Caroline", "speaker_b": "Melanie",
@@ -254,7 +254,7 @@ def test_locomo_style_layout_loads(tmp_path):
      "a list of \\[session, turn\\] pairs"),
 ])
 def test_bad_dataset_files_say_what_is_wrong(tmp_path, content, needle):
-    from agentmem.recall_bench.dataset import DatasetError, load_dataset
+    from agentmem.bench.recall_data.dataset import DatasetError, load_dataset
 
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -263,7 +263,7 @@ def test_bad_dataset_files_say_what_is_wrong(tmp_path, content, needle):
 
 
 def test_bench_recall_cli_rejects_a_bad_dataset_before_loading_the_model(tmp_path, capsys):
-    from agentmem.recall_bench.bench import main
+    from agentmem.bench.recall import main
 
     path = tmp_path / "bad.json"
     path.write_text("[]")
@@ -285,7 +285,7 @@ def test_run_on_a_dataset_file_scores_its_own_categories(engine, embedder, tmp_p
 def test_import_as_names_prefixes_or_bare_roles():
     """`--import-as`: the same session as a data set gives it (`name`), as a flattened transcript
     ("Name: ..." and no `name`) or as bare user/assistant turns; the input is not changed."""
-    from agentmem.recall_bench.bench import IMPORTS, as_imported
+    from agentmem.bench.recall import IMPORTS, as_imported
 
     msgs = [{"role": "user", "content": "finally bought a cello", "name": "Kwame", "created_at": "2023-02-20"},
             {"role": "assistant", "content": "play me something", "name": "Ines"},

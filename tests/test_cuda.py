@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentmem.bench.blend import kl
 from agentmem.config import Config
 from agentmem.engine import Engine, Segment
 from agentmem.engine.cuda_graph import GraphDecode
 from agentmem.kvreuse import enable_chunk_reuse
-from agentmem.kvreuse.bench import kl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -3,8 +3,8 @@ benchmark is a command (`agentmem bench engine`), not a test."""
 
 import json
 
+from agentmem.bench.engine import chat_prompt_ids, decode_weight_bytes, prefill_flops, prose_ids
 from agentmem.cli import BENCHES
-from agentmem.engine.bench import chat_prompt_ids, decode_weight_bytes, prefill_flops, prose_ids
 
 
 def test_prose_prompt_has_exactly_the_asked_tokens_and_is_seeded(engine):
@@ -50,7 +50,7 @@ def test_the_ttft_prompt_is_a_chat_turn_of_exactly_the_asked_tokens(engine):
 def test_timed_decode_runs_every_asked_token_of_a_looping_reply(engine):
     """The engine bench times decode over exactly its tokens, as HF's generate() makes them: a
     reply the loop detector would cut (a greedy reply that repeats) runs to its length."""
-    from agentmem.engine.bench import TIMED
+    from agentmem.bench.engine import TIMED
 
     segs = engine.chat_segments([{"role": "user", "content": "I moved to Lisbon last month and I work as a pharmacist."}])
     assert engine.generate(segs, max_tokens=96, temperature=0.0).stats.finish_reason == "repetition"

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from agentmem.bench.blend import kl
 from agentmem.config import Config, resolve_kv_mode
 from agentmem.engine import Engine, Segment, attend
 from agentmem.engine.kernels import rope_ref, selected_attention_ref
@@ -22,7 +23,6 @@ from agentmem.kvreuse import (
     get_reuse,
     place_k,
 )
-from agentmem.kvreuse.bench import kl
 from agentmem.kvreuse.fuser import METRICS, Piece, RowAttention, _attend_and_share, _Drift, causal_bias, fuse
 
 FACTS = [
@@ -261,7 +261,7 @@ def test_drift_shifts_the_tokens_not_recomputed_by_their_group_mean(engine):
 def test_auto_probes_only_long_prompts(engine, tmp_path, monkeypatch):
     """`auto` ranks by the question's probe (`query`) from AUTO_QUERY_MIN_TOKENS cached
     tokens on, and by CacheBlend's V deviation below."""
-    from agentmem.kvreuse.bench import build_prompts
+    from agentmem.bench.blend import build_prompts
 
     probes = []
     real = fuser._probe
@@ -371,7 +371,7 @@ def test_blend_is_closer_to_full_than_reuse(warm, metric):
 def test_drift_brings_blend_closer_to_full_on_longer_chunks(engine, tmp_path, monkeypatch):
     """Chunks of ~128 tokens (the bench's workload, smaller): per prompt, blend with the drift
     correction is closer to full prefill than blend without it, which is closer than reuse."""
-    from agentmem.kvreuse.bench import build_prompts
+    from agentmem.bench.blend import build_prompts
 
     monkeypatch.setattr(fuser, "DRIFT_MIN_SAMPLES", 4)
     e = view(engine, tmp_path, kv_mode="blend")

@@ -630,8 +630,8 @@ def test_large_history_moves_to_an_ivf_index(tmp_path, embedder, monkeypatch):
 
 def test_bench_memory_questions_do_not_repeat_their_evidence():
     """`bench memory` measures recall only if its questions are worded unlike their facts."""
-    from agentmem.bench_memory import FACTS
-    from agentmem.recall_bench.words import shared_stems
+    from agentmem.bench.memory import FACTS
+    from agentmem.bench.recall_data.words import shared_stems
 
     for _key, statement, change, question, values in FACTS:
         for said in (statement, change):
@@ -886,7 +886,7 @@ def test_bench_memory_repeats_its_questions_under_other_sampling_seeds(capsys):
     with other seeds), one accuracy per seed and their mean in the JSON."""
     import json
 
-    from agentmem.bench_memory import main
+    from agentmem.bench.memory import main
 
     assert main(["--quick", "--json", "--no-reflect", "--sampling-seeds", "2", "--dtype", "float32"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -932,8 +932,8 @@ def test_dense_ranking_discounts_what_many_of_the_users_turns_share(tmp_path):
     40 turns that share the question's filler words rank above it."""
     import random
 
+    from agentmem.bench.recall_cache import HashEmbedder
     from agentmem.tiers.recall import _project
-    from agentmem.tiers.soak import HashEmbedder
 
     rng = random.Random(0)
     letters = "bcdfghjklmnprstvz"

@@ -4,9 +4,9 @@ flat, and an index evicted from memory is loaded again, whole, on its next use."
 
 from __future__ import annotations
 
+from agentmem.bench.recall_cache import HashEmbedder, rss_mb, soak
 from agentmem.config import Config
 from agentmem.tiers import MemoryStore
-from agentmem.tiers.soak import HashEmbedder, rss_mb, soak
 
 
 def test_soak_over_10k_users_keeps_resident_size_flat(tmp_path):

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from agentmem.bench.recall_cache import HashEmbedder
 from agentmem.config import Config
 from agentmem.tiers import MemoryStore
-from agentmem.tiers.soak import HashEmbedder
 
 
 class GatedEmbedder(HashEmbedder):

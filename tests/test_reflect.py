@@ -454,7 +454,7 @@ def test_reflect_engine_none_reflects_by_templates_and_loads_no_model(tmp_path, 
 def test_the_compression_bench_counts_a_memory_line_text_without_its_neighbour_turn():
     """`compression_ratio` is over the memory texts; the neighbour turn a recalled message line
     quotes (never compressed) belongs to the prompt-line ratio only."""
-    from agentmem.reflect.bench import _content
+    from agentmem.bench.memory_reflect import _content
 
     assert _content('- 2026-01-02 Priya said: "The cello!" (in reply to Tom: "What did you buy?")\n') == "The cello!"
     assert _content('- 2026-01-02 I said: "What did you buy?" (Priya answered: "a cello")\n') == "What did you buy?"

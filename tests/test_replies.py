@@ -45,7 +45,7 @@ def test_a_looping_reply_is_stored_once_flagged_and_ranked_lower(session, engine
 
 
 def test_memory_answers_are_judged_by_the_value_as_a_word():
-    from agentmem.bench_memory import Question
+    from agentmem.bench.memory import Question
 
     q = Question("u", "allergy", "Which substance gives me a bad reaction?", "peanuts", None, 0)
     assert q.answered_by("You are allergic to peanuts.") and q.answered_by("A peanut allergy, I believe.")

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 # (key, statement, change statement or None, question, values). The questions share no content
-# word with their statements (tests/test_bench_memory checks it): a question that repeats its
-# evidence's words measures nothing (issue 14), real users ask "what do I do for a living?".
+# word with their statements (tests/test_recall.py checks it): a question that repeats its
+# evidence's words measures nothing, and real users ask "what do I do for a living?".
 FACTS = [
     ("dog", "My dog is called {v}.", "We renamed our dog, he is called {v} now.", "What name did I give my four-legged friend?",
      ["Biscuit", "Pepper", "Mango", "Ziggy", "Noodle", "Waffles"]),
@@ -163,7 +163,7 @@ class Outcome:
 
 def prepare(store, engine, config, workload: list[UserHistory], tenant_id: str) -> None:
     """Import every user's history into `tenant_id` (one AgentSession per past session)."""
-    from .session import AgentSession
+    from ..session import AgentSession
 
     for h in workload:
         flat: list[int] = []
@@ -178,7 +178,7 @@ def prepare(store, engine, config, workload: list[UserHistory], tenant_id: str) 
 def run_memory(store, engine, config, workload: list[UserHistory], tenant_id: str, max_tokens: int,
                seed_base: int = QUESTION_SEED) -> list[Outcome]:
     """Ask every question in a new session of each user, through `AgentSession.chat`."""
-    from .session import AgentSession
+    from ..session import AgentSession
 
     out = []
     for h in workload:
@@ -260,8 +260,8 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
     """The workload on `config`'s engine (remote when `config.engine_url` is set) and a store
     of its own: import, the memory condition, and with `with_conditions` the full-context
     baseline and the reflection conditions as asked."""
-    from .engine import load_engine
-    from .tiers import MemoryStore
+    from ..engine import load_engine
+    from ..tiers import MemoryStore
 
     print(f"loading engine and embedder (data in {config.data_dir})", file=sys.stderr)
     engine = load_engine(config)  # AGENTMEM_ENGINE_URL: a remote inference server answers
@@ -304,7 +304,7 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
                    "full_context_prompt_tokens_mean": full["prompt_tokens_mean"],
                    "full_context_turn_p50_s": full["p50"], "full_context_window": window}
     if with_conditions and not args.no_reflect:
-        from .reflect.bench import run as run_reflect_conditions
+        from .memory_reflect import run as run_reflect_conditions
 
         result |= run_reflect_conditions(store, engine, config, workload, prepare, args.max_tokens,
                                          use_model=args.reflect_model, rate=args.compress_rate)
@@ -332,7 +332,7 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
 
 def server_log_share(log: str, prompt_tokens: int) -> dict:
     """The cached-token share llama-cpp-python's own log gives for this run (engine/llama_server.py)."""
-    from .engine.llama_server import log_cache_hits
+    from ..engine.llama_server import log_cache_hits
 
     hits = log_cache_hits(log)
     return {"server_log": hits, "server_log_cached_token_share": hits["cached_tokens"] / prompt_tokens
@@ -376,12 +376,12 @@ def main(argv: list[str]) -> int:
     from contextlib import ExitStack
     from pathlib import Path
 
-    from .config import Config
+    from ..config import Config
 
     with ExitStack() as stack:
         engine_url = None
         if args.llama_server:
-            from .engine.llama_server import LlamaServer
+            from ..engine.llama_server import LlamaServer
 
             log = Path(tempfile.mkdtemp(prefix="agentmem-llama-")) / "server.log"
             print(f"starting llama-cpp-python's server on the default GGUF (log in {log})", file=sys.stderr)

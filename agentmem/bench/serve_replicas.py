@@ -38,8 +38,8 @@ from pathlib import Path
 
 import httpx
 
-from .bench import QUESTIONS, measure, percentile, serve_process
-from .local import free_port
+from ..api.local import free_port
+from .serve import QUESTIONS, measure, percentile, serve_process
 
 
 @contextmanager
@@ -169,9 +169,9 @@ def merge(rounds: list[dict]) -> dict:
 
 
 def _tenant(db_url: str, data_dir: Path, name: str) -> str:
+    from ..api.auth import create_tenant_with_key
     from ..config import Config
     from ..tiers.store import MemoryStore
-    from .auth import create_tenant_with_key
 
     store = MemoryStore(Config(data_dir=data_dir, db_url=db_url))
     _, key = create_tenant_with_key(store, name)

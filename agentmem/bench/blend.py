@@ -23,8 +23,8 @@ import torch
 
 from ..config import Config
 from ..engine import DenseKV, Engine, Segment
-from .fuser import METRICS, Clock, resolve_check_layer
-from .reuse import ChunkReuse
+from ..kvreuse.fuser import METRICS, Clock, resolve_check_layer
+from ..kvreuse.reuse import ChunkReuse
 
 NAMES = ["Clara", "Tomas", "Ines", "Viktor", "Lena", "Omar", "Priya", "Jonas", "Aiko", "Rafael", "Sofia",
          "Marek", "Nadia", "Felix", "Greta", "Hugo", "Yara", "Elias", "Mira", "Bruno", "Zoe", "Anton"]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from .local import free_port
+from ..api.local import free_port
 
 QUESTIONS = (
     "I just adopted a dog called Pepper. Any tips for the first week?",
@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flood-clients", type=int, default=16, help="the noisy tenant's concurrent clients")
     p.add_argument("--flood-chars", type=int, default=30_000, help="characters of each message the flood posts")
     p.add_argument("--replicas", type=int, default=1,
-                   help="N > 1: N replicas on one PostgreSQL (--db-url) against one replica (bench_replicas.py)")
+                   help="N > 1: N replicas on one PostgreSQL (--db-url) against one replica (bench/serve_replicas.py)")
     p.add_argument("--db-url", help="with --replicas: the PostgreSQL the replicas share (a schema of its own is used)")
     p.add_argument("--redis-url", help="with --replicas: also measure the shared chunk-KV tier in this Redis")
     p.add_argument("--kv-users", type=int, default=4, help="with --redis-url: users per arm of the KV measurement")
@@ -271,9 +271,9 @@ def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str, dict
     """A fresh server for `mode` (its own data dir and tenant, plus the quiet and noisy
     tenants of the neighbour run), warmed by one unmeasured turn (it loads the embedder and
     starts the engine loop); returns (url, key, {"quiet": key, "noisy": key})."""
+    from ..api.auth import create_tenant_with_key
     from ..config import Config
     from ..tiers.store import MemoryStore
-    from .auth import create_tenant_with_key
 
     data = root / mode
     store = MemoryStore(Config(data_dir=data))
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         print("agentmem bench serve: levels, --requests and --max-tokens must be positive", file=sys.stderr)
         return 2
     if args.replicas > 1:
-        from .bench_replicas import main as replicas_main
+        from .serve_replicas import main as replicas_main
 
         return replicas_main(args)
     # both servers stay up and each level runs on one right after the other, so a change in

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .dataset import DatasetError, load_dataset
-from .generator import CATEGORIES, Dataset, generate, scale_history
+from .recall_data.dataset import DatasetError, load_dataset
+from .recall_data.generator import CATEGORIES, Dataset, generate, scale_history
 
 BATCH = 500
 K = 10
@@ -263,8 +263,8 @@ def run(args: argparse.Namespace, engine, embedder, data_dir: Path,
           file=sys.stderr)
     how = getattr(args, "import_as", "named")
     # tenants of this run alone, deleted at its end: with --db-url the database outlives the run,
-    # and a second run into the same tenant and users found each turn twice (session 45: the
-    # second hand-written set measured 0.66 against 0.78 on PostgreSQL, the copies competing)
+    # and a second run into the same tenant and users found each turn twice (the second
+    # hand-written set measured 0.66 against 0.78 on PostgreSQL, the copies competing)
     run_id = uuid.uuid4().hex[:8]
     tenant, scale_tenant = f"bench-{run_id}", f"bench-scale-{run_id}"
     try:
@@ -307,7 +307,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--turns", default="20,60", help="turns per session, min,max")
     ap.add_argument("--dataset", default=None,
                     help="a JSON file of conversations and evidence-annotated questions instead of the generator "
-                         "(agentmem's layout or LoCoMo-style; recall_bench/dataset.py)")
+                         "(agentmem's layout or LoCoMo-style; bench/recall_data/dataset.py)")
     ap.add_argument("--scale", default=None,
                     help=f"message counts for the one-user latency test (default {DEFAULT_SCALE}; none with --dataset)")
     ap.add_argument("--scale-queries", type=int, default=30)

@@ -56,7 +56,7 @@ def soak(data_dir: Path, users: int, cache_mb: int, embedder=None, every: int = 
     """Serve `users` users once each (a message, then a search, which indexes it; without
     `search` only the indexing); RSS sampled every `every` users."""
     from ..config import Config
-    from .store import MemoryStore
+    from ..tiers.store import MemoryStore
 
     store = MemoryStore(Config(data_dir=data_dir, recall_cache_mb=cache_mb), embedder=embedder)
     store.embedder_instance().embed(["warm up"])
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     arms = {}
     for name, mb in (("bounded", args.cache_mb), ("unbounded", 1 << 20)):
-        run = subprocess.run([sys.executable, "-m", "agentmem.tiers.soak", "--users", str(args.users), "--arm", str(mb),
+        run = subprocess.run([sys.executable, "-m", "agentmem.bench.recall_cache", "--users", str(args.users), "--arm", str(mb),
                               "--embedder", args.embedder], capture_output=True, text=True, check=True)
         arms[name] = json.loads(run.stdout.strip().splitlines()[-1])
         if not args.json:

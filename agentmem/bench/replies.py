@@ -61,7 +61,7 @@ JSON_ASKS = [("Invent a person: name, age and city. Reply in JSON.", PERSON),
 
 
 def run_openings(engine, store, config, sampling: dict, max_tokens: int) -> list[tuple[str, str]]:
-    from .session import AgentSession
+    from ..session import AgentSession
 
     s = AgentSession("opener", tenant_id="t", config=config, engine=engine, store=store)
     out = []
@@ -73,7 +73,7 @@ def run_openings(engine, store, config, sampling: dict, max_tokens: int) -> list
 
 
 def run_questions(engine, store, config, sampling: dict, workload, max_tokens: int):
-    from .session import AgentSession
+    from ..session import AgentSession
 
     sessions, correct = [], []
     for h in workload:
@@ -89,10 +89,10 @@ def run_questions(engine, store, config, sampling: dict, workload, max_tokens: i
 
 
 def sampling_figures(engine, config, overrides: dict, sampling: dict, workload, max_tokens: int) -> dict:
-    from .bench_memory import prepare
-    from .engine.repetition import find_loop
-    from .reply_metrics import copy_previous_rate, distinct_2
-    from .tiers import MemoryStore
+    from ..engine.repetition import find_loop
+    from ..reply_metrics import copy_previous_rate, distinct_2
+    from ..tiers import MemoryStore
+    from .memory import prepare
 
     with tempfile.TemporaryDirectory() as d:
         cfg = config.model_copy(update={"data_dir": Path(d), "db_url": None, "kv_disk_dir": None, **overrides})
@@ -142,9 +142,9 @@ def structured_figures(engine, max_tokens: int) -> dict[bool, dict]:
     sampling defaults, its reading of calls and finish reasons), each decoded with and then
     without the grammar (the same system prompt and seed; interleaved, so both see the same
     machine load): grammar on/off -> figures."""
-    from .api.reply_format import plan, read_reply
-    from .api.schemas import ChatCompletionRequest
-    from .engine.sampler import with_defaults
+    from ..api.reply_format import plan, read_reply
+    from ..api.schemas import ChatCompletionRequest
+    from ..engine.sampler import with_defaults
 
     tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, REMIND)}
     cases = [(text, {"tools": [WEATHER, REMIND], "tool_choice": "required"}, None) for text in TOOL_ASKS]
@@ -190,10 +190,10 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from .bench_memory import build_workload
-    from .config import Config
-    from .engine import Engine
-    from .engine.grammar import Grammar
+    from ..config import Config
+    from ..engine import Engine
+    from ..engine.grammar import Grammar
+    from .memory import build_workload
 
     config = Config(dtype=args.dtype)
     engine = Engine.load(config)

@@ -3,7 +3,7 @@
 
 Two layouts are read (`load_dataset` tells them apart):
 
-- **agentmem's own** (what `agentmem/recall_bench/data/*.json` holds)::
+- **agentmem's own** (what `agentmem/bench/recall_data/data/*.json` holds)::
 
     {"conversations": [{"id": "A", "speakers": ["Ines", "Kwame"],
                         "sessions": [{"date": "2023-01-14T19:05:00",

@@ -56,13 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config
-from .engine import DenseKV, Engine, Segment
-from .kernels import cpu_avx2, cpu_gemv
-from .linear import INT4_GROUP, Proj, onednn_bf16
-from .loop import EngineLoop
-from .measured import simd_flags
-from .model import ModelArgs
-from .weights import resolve_model_dir
+from ..engine.engine import DenseKV, Engine, Segment
+from ..engine.kernels import cpu_avx2, cpu_gemv
+from ..engine.linear import INT4_GROUP, Proj, onednn_bf16
+from ..engine.loop import EngineLoop
+from ..engine.measured import simd_flags
+from ..engine.model import ModelArgs
+from ..engine.weights import resolve_model_dir
 
 _SUBJECTS = ["The harbour master", "A young baker", "The old lighthouse keeper", "Our neighbour", "The committee",
              "A travelling musician", "The river pilot", "My grandmother", "The night nurse", "A clockmaker"]
@@ -299,7 +299,7 @@ def llamacpp_figures(gguf: Path | None, ids: list[int], short: list[int], new_to
     try:
         import numpy as np
 
-        from .weights import default_gguf
+        from ..engine.weights import default_gguf
 
         llm = llama_cpp.Llama(model_path=str(gguf or default_gguf()), n_ctx=len(ids) + new_tokens + 64,
                               n_threads=threads, verbose=False)

@@ -20,9 +20,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..bench_memory import QUESTION_SEED
 from ..compress import BudgetPolicy, Compressor
-from .job import compress_messages, reflect
+from ..reflect.job import compress_messages, reflect
+from .memory import QUESTION_SEED
 
 
 @dataclass
