@@ -49,27 +49,28 @@ test: setup $(LLAMA_STAMP)
 lint: setup
 	$(VENV)/bin/ruff check agentmem tests
 
-# Every benchmark on the default model; each prints its JSON last, kept in docs/bench/ (the
-# README's numbers come from these files). Run on a quiet machine: they time the CPU.
+# Every benchmark on the default model; each prints its JSON last and `--save` keeps it,
+# stamped with this machine's kind and CPU, the commit and the date, at
+# docs/bench/<bench>/[<variant>/]<machine>.json, one file per bench and kind of machine (the
+# latest run).
+# Run on a quiet machine: they time the CPU.
 BENCH := $(VENV)/bin/agentmem bench
 bench: setup bench-peers
-	mkdir -p docs/bench
-	$(BENCH) engine --json | tail -1 > docs/bench/engine.json
-	$(BENCH) kernels --json | tail -1 > docs/bench/kernels.json
-	$(BENCH) blend --json --curve | tail -1 > docs/bench/blend.json
-	$(BENCH) blend --json --drift 0 | tail -1 > docs/bench/blend-no-drift.json
-	$(BENCH) blend --json --metric v --drift 0 | tail -1 > docs/bench/blend-cacheblend-v.json
-	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 | tail -1 > docs/bench/blend-short-chunks.json
-	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 --drift 0 | tail -1 > docs/bench/blend-short-chunks-no-drift.json
-	$(BENCH) recall --json | tail -1 > docs/bench/recall.json
-	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten.json | tail -1 > docs/bench/recall-handwritten.json
-	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten2.json | tail -1 > docs/bench/recall-handwritten2.json
-	$(BENCH) memory --json | tail -1 > docs/bench/memory.json
-	$(BENCH) serve --json | tail -1 > docs/bench/serve.json
+	$(BENCH) engine --json --save
+	$(BENCH) kernels --json --save
+	$(BENCH) blend --json --curve --save
+	$(BENCH) blend --json --drift 0 --save=no-drift
+	$(BENCH) blend --json --metric v --drift 0 --save=cacheblend-v
+	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 --save=short-chunks
+	$(BENCH) blend --json --chunk-tokens 32 --chunks 96 --per-prompt 60 --drift 0 --save=short-chunks-no-drift
+	$(BENCH) recall --json --save
+	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten.json --save=handwritten
+	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten2.json --save=handwritten2
+	$(BENCH) memory --json --save
+	$(BENCH) serve --json --save
 
 # What KV reuse does to end-to-end answers: the memory benchmark with exact KV, and with the
 # `query` metric forced on its short prompts (the default, auto, picks `v` there).
 bench-memory-kv: setup
-	mkdir -p docs/bench
-	AGENTMEM_KV_MODE=full $(BENCH) memory --json --no-baseline | tail -1 > docs/bench/memory-kv-full.json
-	AGENTMEM_BLEND_METRIC=query $(BENCH) memory --json --no-baseline | tail -1 > docs/bench/memory-metric-query.json
+	AGENTMEM_KV_MODE=full $(BENCH) memory --json --no-baseline --save=kv-full
+	AGENTMEM_BLEND_METRIC=query $(BENCH) memory --json --no-baseline --save=metric-query

@@ -33,6 +33,7 @@ def _usage() -> str:
     lines = ["usage: agentmem COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += [f"  bench {name:<4} {help_}" for name, (_, help_) in BENCHES.items()]
+    lines += ["", "  bench NAME ... --json --save[=VARIANT]: also keep the result in docs/bench/NAME/[VARIANT/]<machine>.json"]
     return "\n".join(lines)
 
 
@@ -51,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0] not in BENCHES:
             print(_usage(), file=sys.stderr)
             return 2
-        return _dispatch(BENCHES[rest[0]][0], rest[1:])
+        from .bench.results import run_saved, split_save
+
+        module = BENCHES[rest[0]][0]
+        argv, saving, variant = split_save(rest[1:])
+        if not saving:
+            return _dispatch(module, argv)
+        return run_saved(rest[0], importlib.import_module(module).main, argv, variant)
     if cmd not in COMMANDS:
         print(f"agentmem: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
