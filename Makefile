@@ -52,7 +52,7 @@ lint: setup
 # Every benchmark on the default model; each prints its JSON last and `--save` keeps it,
 # stamped with this machine's kind and CPU, the commit and the date, at
 # docs/bench/<bench>/[<variant>/]<machine>.json, one file per bench and kind of machine (the
-# latest run).
+# latest run). `bench report --write` then remakes the README's table from those files.
 # Run on a quiet machine: they time the CPU.
 BENCH := $(VENV)/bin/agentmem bench
 bench: setup bench-peers
@@ -68,6 +68,7 @@ bench: setup bench-peers
 	$(BENCH) recall --json --dataset agentmem/bench/recall_data/data/handwritten2.json --save=handwritten2
 	$(BENCH) memory --json --save
 	$(BENCH) serve --json --save
+	$(BENCH) report --write
 
 # What KV reuse does to end-to-end answers: the memory benchmark with exact KV, and with the
 # `query` metric forced on its short prompts (the default, auto, picks `v` there).

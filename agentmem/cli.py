@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("agentmem.bench.serve", "REST service under N concurrent clients"),
     "replies": ("agentmem.bench.replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
     "mcp": ("agentmem.bench.mcp", "MCP tool latency over stdio and HTTP vs the Python API"),
+    "report": ("agentmem.bench.report", "the README's benchmark table from docs/bench/ (--write: into README.md)"),
 }
 
 

@@ -1,0 +1,144 @@
+"""`agentmem bench report`: the README's benchmark table, made from the results in docs/bench/.
+
+One row per figure a user compares (engine decode and prefill against HF and llama.cpp, the
+blend's speed and top-1, recall@10, memory answers, the service) and per result file, the
+latest run of that bench on one kind of machine (agentmem/bench/results.py), named by its CPU
+model and date. The README keeps the table between the lines `<!-- bench-table:start -->` and
+`<!-- bench-table:end -->`; `--write` replaces what is between them, else the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .results import RESULTS
+
+START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+_SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def _dtype(r: dict) -> str:
+    dtype = _SHORT.get(r["dtype"], r["dtype"])
+    return f"{dtype}, {r['weights']} weights" if r.get("weights") else dtype
+
+
+def _against_llamacpp(ours: float, peer: float | None) -> str:
+    return f", {ours / peer:.2f}x llama.cpp" if peer else ""
+
+
+def _engine(r: dict) -> str:
+    return (f"decode {r['decode_tok_s']:,.1f} tok/s ({r['decode_speedup_vs_hf']:.1f}x HF"
+            f"{_against_llamacpp(r['decode_tok_s'], r.get('llamacpp_decode_tok_s'))}); "
+            f"prefill of {r['prompt_tokens']:,} tokens {r['prefill_tok_s']:,.0f} tok/s ({r['prefill_speedup_vs_hf']:.2f}x HF"
+            f"{_against_llamacpp(r['prefill_tok_s'], r.get('llamacpp_prefill_tok_s'))})")
+
+
+def _blend(r: dict) -> str:
+    return (f"{r['speedup']:.2f}x at r = {r['ratio']:g} on ~{r['prompt_tokens']:,.0f}-token prompts; "
+            f"top-1 {r['blend_top1']:.2f} (plain reuse {r['reuse_top1']:.2f})")
+
+
+def _recall(r: dict) -> str:
+    peers = [f"{name} {r[key]:.3f}" for name, key in (("MiniLM alone", "dense_recall_at_10"),
+                                                      ("full text alone", "lexical_recall_at_10")) if key in r]
+    return f"{r['evidence_recall_at_10']:.3f}" + (f" ({', '.join(peers)})" if peers else "")
+
+
+def _memory(r: dict) -> str:
+    n = r["questions"]
+    text = f"evidence in the prompt {r['evidence_in_prompt']:.2f}; answers {round(r['answer_accuracy'] * n)} of {n}"
+    if r.get("full_context_accuracy") is not None:
+        text += f" (the raw history in the window: {round(r['full_context_accuracy'] * n)} of {n})"
+    return text
+
+
+def _serve(r: dict) -> str:
+    top = r["levels"][-1]
+    return (f"{top['speedup']:.2f}x the serial server's throughput at {top['clients']} clients "
+            f"({top['throughput_req_s']:.2f} req/s), {r['errors']} errors")
+
+
+def _replicas(r: dict) -> str:
+    return f"{r['replicas_speedup']:.2f}x one replica's throughput, {r['replicas']} replicas on PostgreSQL"
+
+
+@dataclass(frozen=True)
+class Row:
+    bench: str
+    variant: str | None
+    what: str
+    figure: Callable[[dict], str]
+
+
+ROWS = (
+    Row("engine", None, "`bench engine`: one stream against HF and llama.cpp", _engine),
+    Row("blend", None, "`bench blend`: CacheBlend against full prefill", _blend),
+    Row("recall", None, "`bench recall`: recall@10, generated conversations", _recall),
+    Row("recall", "handwritten", "`bench recall`: recall@10, hand-written set 1", _recall),
+    Row("recall", "handwritten2", "`bench recall`: recall@10, hand-written set 2", _recall),
+    Row("memory", None, "`bench memory`: multi-session QA", _memory),
+    Row("serve", None, "`bench serve`: batched against serial", _serve),
+    Row("serve", "replicas", "`bench serve --replicas 2`", _replicas),
+)
+
+
+def _machine(r: dict, link: str) -> str:
+    where = f"{r['gpu']} (host: {r['cpu']})" if r.get("gpu") else r["cpu"]
+    return f"{where} ([{r['machine']}]({link}))"
+
+
+def results(bench: str, variant: str | None, root: Path) -> list[tuple[Path, dict]]:
+    """The result files of one bench (or one variant of it), newest first."""
+    folder = root / bench / variant if variant else root / bench
+    found = [(path, json.loads(path.read_text())) for path in sorted(folder.glob("*.json"))]
+    return sorted(found, key=lambda item: item[1]["date"], reverse=True)
+
+
+def table(root: Path = RESULTS, readme_dir: Path = Path(".")) -> str:
+    """The markdown table; links are relative to the README's folder."""
+    lines = ["| benchmark | figure | dtype | machine | date |", "|---|---|---|---|---|"]
+    for row in ROWS:
+        for path, r in results(row.bench, row.variant, root):
+            link = Path(os.path.relpath(path, readme_dir)).as_posix()
+            lines.append(f"| {row.what} | {row.figure(r)} | {_dtype(r)} | {_machine(r, link)} | {r['date']} |")
+    return "\n".join(lines)
+
+
+def replace_table(text: str, new_table: str) -> str:
+    """`text` with everything between the marker lines replaced by `new_table`."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < 0 or end < start:
+        raise ValueError(f"the README needs the lines {START} and {END}, in that order")
+    head = text[: start + len(START)]
+    return f"{head}\n{new_table}\n{text[end:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentmem bench report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="replace the table between the README's markers")
+    ap.add_argument("--readme", type=Path, default=Path("README.md"))
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the results folder (default docs/bench)")
+    args = ap.parse_args(argv)
+    new_table = table(args.results, args.readme.parent)
+    if not args.write:
+        print(new_table)
+        return 0
+    try:
+        text = replace_table(args.readme.read_text(), new_table)
+    except (OSError, ValueError) as exc:
+        print(f"agentmem bench report: {args.readme}: {exc}", file=sys.stderr)
+        return 1
+    args.readme.write_text(text)
+    rows = len(new_table.splitlines()) - 2
+    print(f"{args.readme}: the table's {rows} rows written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
