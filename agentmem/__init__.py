@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AgentSession"]
+__all__ = ["AgentSession", "AsyncAgentSession"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from .session import AgentSession
 
         return AgentSession
+    if name == "AsyncAgentSession":
+        from .async_session import AsyncAgentSession
+
+        return AsyncAgentSession
     raise AttributeError(f"module 'agentmem' has no attribute {name!r}")

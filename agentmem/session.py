@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 
 from .assemble import NOTE_MARGIN, RECALL_SHARE, Assembler, Context
 from .compress.policy import BudgetPolicy
 from .config import Config
-from .engine.sampler import with_defaults
+from .engine.sampler import SamplingParams, with_defaults
 from .tiers import MemoryStore, WorkingContext, clean_text
 from .tiers.records import Hit, Memory, Message
+
+# what `chat` / `chat_stream` take as keywords: SamplingParams' fields, but the ones the turn fills in
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"copy_sources"}
 
 
 @dataclass
@@ -89,53 +93,68 @@ class AgentSession:
             self._open(self.session_id)
 
     # --- the turn ----------------------------------------------------------------------------
-    def chat(self, text: str | bytes, stream: bool = False, max_tokens: int | None = None,
-             temperature: float | None = None, question_aware_tokens: int | None = None,
-             **sampling) -> str | Iterator[str]:
+    def chat(self, text: str | bytes, params: SamplingParams | None = None, *legacy, stream: bool = False,
+             question_aware_tokens: int | None = None, extra_system: str | None = None,
+             **overrides) -> str | Iterator[str]:
         """Reply to `text`: the reply's text, stored with a trace (`last_turn`) before it is
-        returned. The keyword arguments (`sampling`) are `chat_stream`'s, which yields the reply
-        as it is made. `stream=True` is the older spelling of `chat_stream`, kept for the
-        callers that use it: the one case where this returns an iterator."""
-        gen, pieces = self._turn(text, max_tokens, temperature, question_aware_tokens, **sampling)
+        returned. Takes `chat_stream`'s arguments, which yields the reply as it is made.
+        `stream=True` is the older spelling of `chat_stream`, kept for the callers that use
+        it: the one case where this returns an iterator."""
+        params, qat = self._params(params, legacy, overrides)
+        gen, pieces = self._turn(text, params, question_aware_tokens if qat is None else qat, extra_system)
         if stream:
             return pieces
         for _ in pieces:
             pass
         return gen.result.text
 
-    def chat_stream(self, text: str | bytes, max_tokens: int | None = None,
-                    temperature: float | None = None, question_aware_tokens: int | None = None, *,
-                    top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-                    repetition_penalty: float | None = None, frequency_penalty: float | None = None,
-                    presence_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
-                    logprobs: bool | None = None, top_logprobs: int | None = None,
-                    stop: str | list[str] | None = None, seed: int | None = None, grammar=None,
-                    extra_system: str | None = None, copy_ngram: int | None = None) -> Iterator[str]:
+    def chat_stream(self, text: str | bytes, params: SamplingParams | None = None, *legacy,
+                    question_aware_tokens: int | None = None, extra_system: str | None = None,
+                    **overrides) -> Iterator[str]:
         """Reply to `text` as an iterator of text pieces; the reply is stored and `last_turn`
         set when it is exhausted. The user's message is committed first, before this returns.
-        Sampling is the engine's (engine/sampler.py); a value left None is the model's default
-        (`engine.sampling_defaults`: generation_config.json, the model card, AGENTMEM_SAMPLE_*);
-        bad values raise `InvalidSampling` before anything is stored. `grammar` (an
-        engine.grammar.Grammar) constrains the reply, e.g. to a JSON schema or a tool call;
-        `extra_system` is appended to the system segment for this turn (tool definitions).
-        `copy_ngram` (default: config.copy_guard_ngram): the reply may not repeat that many
-        tokens in a row of an earlier reply of this session still in the prompt.
-        `question_aware_tokens`: compress the recalled memories against `text` to about that
-        many tokens (LongLLMLingua); their cached KV cannot be reused for this turn."""
-        return self._turn(text, max_tokens, temperature, question_aware_tokens, top_p=top_p, top_k=top_k,
-                          min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                          presence_penalty=presence_penalty, logit_bias=logit_bias, logprobs=logprobs,
-                          top_logprobs=top_logprobs, stop=stop, seed=seed, grammar=grammar,
-                          extra_system=extra_system, copy_ngram=copy_ngram)[1]
 
-    def _turn(self, text: str | bytes, max_tokens: int | None = None, temperature: float | None = None,
-              question_aware_tokens: int | None = None, *, stop: str | list[str] | None = None,
-              extra_system: str | None = None, copy_ngram: int | None = None, **sampling):
-        """The turn of `chat` and `chat_stream` (`sampling`: the rest of `chat_stream`'s sampling
-        settings, which SamplingParams names alike): (the engine's generation, its pieces as stored)."""
-        params = with_defaults(getattr(self.engine, "sampling_defaults", {}),
-                               max_tokens=max_tokens or self.config.reply_tokens, temperature=temperature,
-                               stop=stop or [], **sampling).validate()
+        Sampling is a `SamplingParams` (engine/sampler.py) and/or its fields as keywords on
+        top (`max_tokens=64, temperature=0.7, stop=[...], grammar=...`). Without `params`, a
+        field left out is the model's default (`engine.sampling_defaults`: generation_config.json,
+        the model card, AGENTMEM_SAMPLE_*), max_tokens is `config.reply_tokens`, and the reply
+        may not repeat `config.copy_guard_ngram` tokens in a row of an earlier reply of this
+        session (`copy_ngram`). Bad values raise `InvalidSampling` before anything is stored.
+        `extra_system` is appended to the system segment for this turn (tool definitions).
+        `question_aware_tokens`: compress the recalled memories against `text` to about that
+        many tokens (LongLLMLingua); their cached KV cannot be reused for this turn.
+        Positional max_tokens and temperature after `text` (the older signature) still work, with
+        a DeprecationWarning."""
+        params, qat = self._params(params, legacy, overrides)
+        return self._turn(text, params, question_aware_tokens if qat is None else qat, extra_system)[1]
+
+    def _params(self, params, legacy: tuple, overrides: dict) -> tuple[SamplingParams, int | None]:
+        """The turn's sampling, `params` (or the model's defaults) with `overrides` on top, and
+        the question_aware_tokens an old positional call gave."""
+        qat = None
+        if legacy or (params is not None and not isinstance(params, SamplingParams)):
+            warnings.warn("chat(text, max_tokens, temperature, question_aware_tokens) positionally is deprecated: "
+                          "pass them as keywords, or a SamplingParams", DeprecationWarning, stacklevel=3)
+            old = (params, *legacy)
+            if len(old) > 3:
+                raise TypeError(f"at most 3 positional arguments after text, got {len(old)}")
+            old += (None,) * (3 - len(old))
+            overrides = {"max_tokens": old[0], "temperature": old[1], **overrides}
+            params, qat = None, old[2]
+        unknown = sorted(set(overrides) - SAMPLING_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown argument(s) {', '.join(unknown)}; sampling takes {', '.join(sorted(SAMPLING_FIELDS))}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if params is None:
+            given = {"max_tokens": self.config.reply_tokens, "copy_ngram": self.config.copy_guard_ngram, **given}
+            params = with_defaults(getattr(self.engine, "sampling_defaults", {}), **given)
+        else:
+            params = replace(params, **given)
+        return params.validate(), qat
+
+    def _turn(self, text: str | bytes, params: SamplingParams, question_aware_tokens: int | None = None,
+              extra_system: str | None = None):
+        """The turn of `chat` and `chat_stream`: (the engine's generation, its pieces as stored)."""
         with self._lock:
             text = clean_text(text, "message")
             self.sync()
@@ -150,10 +169,9 @@ class AgentSession:
                 self._compressor = self._compressor or Compressor(self.engine)
                 ctx = question_aware(ctx, self._compressor, text, question_aware_tokens)
             self.working.push(user_msg)
-            n = self.config.copy_guard_ngram if copy_ngram is None else copy_ngram
-            if n:
+            if params.copy_ngram:
                 earlier = [self.engine.encode(m.text) for m in self.working.queue if m.role == "assistant"]
-                params = replace(params, copy_ngram=n, copy_sources=earlier).validate()
+                params = replace(params, copy_sources=earlier).validate()
             gen = self.engine.stream(ctx.prompt, params)
         return gen, self._finish(gen, ctx, user_msg[0], evicted)
 
@@ -224,11 +242,7 @@ class AgentSession:
     def correct_memory(self, memory_id: int, text: str) -> Memory:
         """The user's correction of a memory: a new memory with the same sources supersedes
         the old one, which stays in the archive linked to it."""
-        old = self.store.get_memory(self.tenant_id, self.user_id, memory_id)
-        new = self.store.add_memory(self.tenant_id, self.user_id, text, old.importance, old.source_ids, old.kind,
-                                    old.event_time)
-        self.store.supersede(self.tenant_id, self.user_id, old.id, new.id)
-        return new
+        return self.store.correct_memory(self.tenant_id, self.user_id, memory_id, text)
 
     def delete_memory(self, memory_id: int) -> None:
         """Delete a memory for good (the user asked to forget it)."""
@@ -247,6 +261,31 @@ class AgentSession:
                 reuse.drop_namespace(self.tenant_id)
             self.last_turn = None
             self._open(None)
+
+
+def preview_context(store: MemoryStore, engine, config: Config, tenant_id: str, user_id: str, query: str) -> Context:
+    """The prompt a turn with `query` would be given now in the user's latest session, for
+    callers without a session object (the REST and MCP context endpoints). Nothing is stored:
+    a user without a session gets one inside a transaction that is rolled back."""
+
+    def build() -> Context:
+        return AgentSession(user_id, tenant_id=tenant_id, session_id=sid, config=config, engine=engine,
+                            store=store).context(query)
+
+    sid = store.latest_session(tenant_id, user_id)
+    if sid is not None:
+        return build()
+    try:
+        with store.archive.tx():
+            raise _Preview(build())
+    except _Preview as done:
+        return done.context
+
+
+class _Preview(Exception):
+    def __init__(self, context: Context):
+        super().__init__("preview")
+        self.context = context
 
 
 def _segment_trace(ctx: Context, stats) -> list[dict]:

@@ -119,6 +119,22 @@ class Services:
             self.keys.drop_tenant(tenant_id)
 
 
+def _mount_mcp(app: FastAPI, services: Services) -> None:
+    """MCP over streamable HTTP at `/mcp`, where the `mcp` extra is installed; else `/mcp`
+    says which extra it needs."""
+    try:
+        from ..integrations import mcp_server
+    except ImportError as exc:
+        message = str(exc)
+
+        @app.api_route("/mcp", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+        def mcp_missing() -> None:
+            raise errors.ApiError(501, message, "not_implemented_error", "mcp_not_installed")
+
+        return
+    mcp_server.mount(app, services)
+
+
 def create_app(config: Config | None = None, engine=None, store: MemoryStore | None = None,
                limits: Limits | None = None, ui: bool = True, serial: bool = False,
                reflect_every_turns: int | None = None, reflect_idle_s: float = 300.0) -> FastAPI:
@@ -166,6 +182,7 @@ def create_app(config: Config | None = None, engine=None, store: MemoryStore | N
 
     app.include_router(chat_router)
     app.include_router(memory_router)
+    _mount_mcp(app, services)
     if ui:
         from .ui import mount_ui
 

@@ -14,7 +14,6 @@ one request at a time, as a server without a batching engine would.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from ..config import Config
 from ..engine.results import ReuseShare
 from ..engine.sampler import with_defaults
+from ..tiers.store import default_session_id
 from .errors import ApiError
 from .limits import Limits
 from .reply_format import ReplyFormat, plan, render_message
@@ -54,11 +54,6 @@ class TurnResult(ReuseShare):
 class _Open:
     session: object
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def default_session_id(tenant_id: str, user_id: str) -> str:
-    """A user's default conversation, stable across restarts and distinct across tenants."""
-    return "default-" + hashlib.sha256(f"{tenant_id}\x00{user_id}".encode()).hexdigest()[:24]
 
 
 def _from_stats(stats, text: str, session_id: str | None, memories: list[str], logprobs=None) -> TurnResult:

@@ -114,42 +114,11 @@ def search(body: SearchIn, user_id: str = UserId, who: Caller = Depends(caller),
 @router.post("/users/{user_id}/context")
 def context(body: ContextIn, user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """The prompt a chat turn with `query` would be given now, segment by segment; nothing is stored."""
-    from ..session import AgentSession
+    from ..session import preview_context
 
     _check_len(svc, body.query, "query")
     _user(svc, who.tenant_id, user_id)
-    sid = _latest_session(svc, who.tenant_id, user_id)
-
-    def build() -> dict:
-        session = AgentSession(user_id, tenant_id=who.tenant_id, session_id=sid, config=svc.config,
-                               engine=svc.engine(), store=svc.store)
-        return session.context(body.query).to_dict()
-
-    if sid is not None:
-        return build()
-    # a user without a session: the session AgentSession opens is rolled back with its
-    # transaction, so the preview stores nothing
-    try:
-        with svc.store.archive.tx():
-            raise _Preview(build())
-    except _Preview as done:
-        return done.context
-
-
-class _Preview(Exception):
-    def __init__(self, context: dict):
-        super().__init__("preview")
-        self.context = context
-
-
-def _latest_session(svc, tenant_id: str, user_id: str) -> str | None:
-    from .chat import default_session_id
-
-    sessions = svc.store.list_sessions(tenant_id, user_id)
-    default = default_session_id(tenant_id, user_id)
-    if any(s.id == default for s in sessions):
-        return default
-    return sessions[-1].id if sessions else None
+    return preview_context(svc.store, svc.engine(), svc.config, who.tenant_id, user_id, body.query).to_dict()
 
 
 # --- core memory ----------------------------------------------------------------------------
@@ -192,7 +161,7 @@ def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(
     if len(body.messages) > svc.limits.max_messages:
         raise ApiError(400, f"at most {svc.limits.max_messages} messages per request", code="too_many_messages")
     with svc.slots.hold(who.tenant_id):
-        sid = body.session_id or _latest_session(svc, who.tenant_id, user_id)
+        sid = body.session_id or svc.store.latest_session(who.tenant_id, user_id)
         info = svc.store.open_session(who.tenant_id, user_id, sid)
         stored = svc.store.add_messages(who.tenant_id, user_id, info.id,
                                         [m.model_dump(exclude_none=True) for m in body.messages])

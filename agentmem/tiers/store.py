@@ -101,6 +101,15 @@ class MemoryStore:
     def list_sessions(self, tenant_id: str, user_id: str) -> list[R.SessionInfo]:
         return self.archive.list_sessions(tenant_id, user_id)
 
+    def latest_session(self, tenant_id: str, user_id: str) -> str | None:
+        """The session a call that names none continues: the user's default conversation (the
+        one a stateless chat without `session_id` uses) when it exists, else the newest."""
+        sessions = self.list_sessions(tenant_id, user_id)
+        default = default_session_id(tenant_id, user_id)
+        if any(s.id == default for s in sessions):
+            return default
+        return sessions[-1].id if sessions else None
+
     def session_messages(self, tenant_id: str, user_id: str, session_id: str) -> list[R.Message]:
         return self.archive.messages(tenant_id, user_id, session_id=session_id)
 
@@ -132,6 +141,16 @@ class MemoryStore:
         m = self.archive.update_memory(tenant_id, user_id, id, text, **fields)
         self.recall.sync(tenant_id, user_id)
         return m
+
+    def correct_memory(self, tenant_id: str, user_id: str, memory_id: int, text: str) -> R.Memory:
+        """The user's correction of a memory: a new memory with the same sources, kind and
+        importance supersedes the old one, which stays in the archive linked to it."""
+        old = self.get_memory(tenant_id, user_id, memory_id)
+        if old.status != "active":
+            raise R.InvalidInput(f"memory {memory_id} is {old.status}: correct its successor {old.superseded_by}")
+        new = self.add_memory(tenant_id, user_id, text, old.importance, old.source_ids, old.kind, old.event_time)
+        self.supersede(tenant_id, user_id, old.id, new.id)
+        return new
 
     def supersede(self, tenant_id: str, user_id: str, old_id: int, new_id: int) -> R.Memory:
         """Mark `old_id` superseded by `new_id` (reflection does this when a fact changes)."""
@@ -226,6 +245,11 @@ class MemoryStore:
                 self.archive.set_core_block(tenant_id, user_id, b.get("label"), b.get("value"), b.get("limit"))
         self.recall.sync(tenant_id, user_id)
         return {"messages": len(msg_map), "memories": len(mem_map), "core_blocks": len(blocks)}
+
+
+def default_session_id(tenant_id: str, user_id: str) -> str:
+    """A user's default conversation, stable across restarts and distinct across tenants."""
+    return "default-" + hashlib.sha256(f"{tenant_id}\x00{user_id}".encode()).hexdigest()[:24]
 
 
 def _rows(doc: dict, key: str) -> list[dict]:
