@@ -465,7 +465,7 @@ def test_engine_load_installs_reuse_unless_full(engine, tmp_path, monkeypatch):
 
 def test_blend_bench_prints_its_json_contract_last(engine, tmp_path, monkeypatch, capsys):
     """`agentmem bench blend` on tiny sizes, on the session's model (no second load)."""
-    from agentmem.kvreuse import bench
+    from agentmem.bench import blend as bench
 
     monkeypatch.setattr(bench.Engine, "load", staticmethod(
         lambda cfg: Engine(engine.model, engine.tokenizer, engine.model_id, engine.device, cfg)))

@@ -426,7 +426,7 @@ def test_agentmem_models_lists_arch_params_context_dtype_and_format(tiny, tmp_pa
 
 
 def test_bench_engine_runs_on_the_model_it_is_given(tiny, monkeypatch, capsys):
-    from agentmem.engine import bench
+    from agentmem.bench import engine as bench
 
     monkeypatch.setattr(bench, "machine_figures", lambda dtype, device, fmt, rows_math="bf16": (1.0, 1.0, 1.0, 1.0))
     assert bench.main(["--model", str(tiny.path), "--json", "--dtype", "float32", "--prompt-tokens", "64",
