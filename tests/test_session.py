@@ -15,6 +15,7 @@ import pytest
 from agentmem import AgentSession
 from agentmem.config import Config
 from agentmem.engine import InvalidSampling
+from agentmem.engine.sampler import SamplingParams
 from agentmem.tiers import InvalidInput, MemoryStore, NotFound, WorkingContext
 from agentmem.tiers.records import Message
 
@@ -180,6 +181,17 @@ def test_bad_input_is_refused_before_anything_is_stored(make):
         with pytest.raises(InvalidSampling):
             s.chat("Hello there.", **bad)
     assert s.store.session_messages("default", "alice", s.session_id) == []
+
+
+def test_chat_takes_sampling_params_and_warns_on_the_old_positional_call(make):
+    s = make()
+    s.chat("Say one word.", SamplingParams(max_tokens=3, seed=1))
+    assert s.last_turn.stats.completion_tokens <= 3
+    with pytest.warns(DeprecationWarning, match="positionally"):
+        s.chat("Say one word.", 2)
+    assert s.last_turn.stats.completion_tokens <= 2
+    with pytest.raises(TypeError, match="unknown argument"):
+        s.chat("Say one word.", max_token=3)
 
 
 def test_sampling_reaches_the_engine(make):
