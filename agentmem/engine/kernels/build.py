@@ -84,12 +84,13 @@ def kernel_cache(cache_dir: Path | str | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else Path(tempfile.gettempdir()) / "agentmem"
 
 
-def build(name: str, unit: Path, flags: list[str], signatures: dict, cache_dir: Path | str | None
-          ) -> tuple[ctypes.CDLL | None, str | None]:
+def build(name: str, unit: Path, flags: list[str], signatures: dict, cache_dir: Path | str | None,
+          timeout: float = 120) -> tuple[ctypes.CDLL | None, str | None]:
     """The translation unit `unit` compiled with `flags` by the system's compiler into
     `<cache_dir>/kernels/<name>-<hash>.so` (once: the file is kept) and loaded, its functions
     typed by `signatures` (name -> argtypes, or (argtypes, restype) for one that returns a value);
-    (library, None), or (None, why not) with a warning."""
+    (library, None), or (None, why not) with a warning, also where the compiler takes more than
+    `timeout` seconds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         why = "no C compiler (cc/gcc) on PATH"
@@ -101,7 +102,8 @@ def build(name: str, unit: Path, flags: list[str], signatures: dict, cache_dir: 
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            subprocess.run([cc, *flags, str(unit), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *flags, str(unit), "-o", str(tmp)], check=True, capture_output=True,
+                           timeout=timeout)
             os.replace(tmp, so)
         lib = ctypes.CDLL(str(so))
         for fn_name, spec in signatures.items():  # argument types, or (argument types, return type)
@@ -132,5 +134,6 @@ def load_once(module: types.ModuleType, name: str, cpu_ok: Callable[[], bool], n
         if not cpu_ok():
             module.why_not = f"the CPU has no {needs}"
             return None
-        module._lib, module.why_not = build(name, module._SOURCE, module._FLAGS, module._SIGNATURES, cache_dir)
+        module._lib, module.why_not = build(name, module._SOURCE, module._FLAGS, module._SIGNATURES,
+                                            cache_dir)
         return module._lib
