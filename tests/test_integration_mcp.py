@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import sys
 
@@ -171,3 +172,19 @@ def test_http_endpoint_needs_a_key_and_keeps_tenants_apart(served):
     rest = served.client("acme").post("/v1/users/alice/search", json={"query": "dog"}).json()["data"]
     assert any(h["text"] == "My dog is called Biscuit." for h in rest)
     assert served.client("globex").get("/v1/users/alice/memories").status_code == 404
+
+
+def test_without_the_extra_the_import_and_the_endpoint_name_it(monkeypatch, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from agentmem.api import create_app
+    from agentmem.config import Config
+
+    monkeypatch.setitem(sys.modules, "mcp", None)
+    monkeypatch.delitem(sys.modules, "agentmem.integrations.mcp_server", raising=False)
+    with pytest.raises(ImportError, match=r"agentmem\[mcp\]"):
+        importlib.import_module("agentmem.integrations.mcp_server")
+    monkeypatch.delitem(sys.modules, "agentmem.integrations.mcp_server", raising=False)
+    app = create_app(Config(data_dir=tmp_path), ui=False)
+    r = TestClient(app).post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    assert r.status_code == 501 and "agentmem[mcp]" in r.json()["error"]["message"]
