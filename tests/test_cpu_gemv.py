@@ -8,7 +8,8 @@ import pytest
 import torch
 from _paged import paged_rows
 
-from agentmem.engine.kernels import cpu_avx2, cpu_gemv
+from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
+from agentmem.engine.kernels import cpu_fp32 as cpu_avx2
 from agentmem.engine.linear import Proj, onednn_bf16
 
 

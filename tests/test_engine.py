@@ -38,7 +38,7 @@ def test_int4_holds_the_shipped_q4_1_projections_exactly(engine):
     """The default model's projections are Q4_1 in its GGUF (scale and minimum per 32 inputs):
     the q4 layout AGENTMEM_WEIGHTS=int4 keeps recovers every one of them bit for bit from the
     fp32 weights the GGUF was dequantized to, where int8 (a scale per row) rounds them."""
-    from agentmem.engine.kernels import cpu_gemv
+    from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
 
     for block in engine.model.layers[::7]:
         for w in (block.wqkv, block.o_proj.weight, block.w_gate_up, block.down_proj.weight):

@@ -14,7 +14,7 @@ from test_models import build_tokenizer, hf_config, randomize
 
 from agentmem.config import Config
 from agentmem.engine import Engine, EngineLoop
-from agentmem.engine.kernels import cpu_gemv
+from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
 from agentmem.engine.linear import (
     PREFILL_SLACK,
     ROWS_MATH_GAIN,
@@ -473,7 +473,7 @@ def test_an_fp32_engine_on_the_avx2_kernels_keeps_its_kv_in_fp16(tmp_path_factor
     fp16 (half the bytes a step reads), decode steps run their layers in one C call over it, and a prompt longer than a prefill chunk (its later chunks attend to the pool's
     fp16 K/V, widened) gives logits within fp16's rounding of an fp32 pool's, step by step. An
     explicit kv_dtype that the engine cannot read is refused."""
-    from agentmem.engine.kernels import cpu_avx2
+    from agentmem.engine.kernels import cpu_fp32 as cpu_avx2
 
     if cpu_avx2.load() is None:
         pytest.skip(f"no AVX2 kernels: {cpu_avx2.why_not}")
@@ -522,7 +522,7 @@ def test_bf16_rows_give_their_fp32_sums_where_asked(fmt):
     """`Proj.multiply(x, torch.float32)` on the engine's own bf16-row kernels (the LM head's
     logits) returns the product's fp32 sums: the bf16 result is exactly those sums rounded, and
     most of them are not bf16 values."""
-    from agentmem.engine.kernels import cpu_gemv
+    from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
 
     if cpu_gemv.load() is None:
         pytest.skip(f"no bf16-row kernels here: {cpu_gemv.why_not}")
@@ -542,7 +542,7 @@ def test_many_bf16_rows_of_int4_weights_take_the_kernel_where_set():
     """`Proj.q4_rows` (linear.resolve_q4_rows) sends bf16 rows past the decode rows to the 4-bit
     kernel (the same product as `gemv_q4` on them) or to the dense bf16 copy; the setting is
     checked, and dense is the default."""
-    from agentmem.engine.kernels import cpu_gemv
+    from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
     from agentmem.engine.linear import Q4_ROWS_ALL, resolve_q4_rows
 
     with pytest.raises(ValueError, match="q4_rows must be"):

@@ -179,7 +179,7 @@ def test_blocked_selected_attention_equals_the_reference(monkeypatch):
 
 
 def test_row_attention_plans_no_sdpa_blocks_where_the_fp32_kernel_takes_the_rows():
-    from agentmem.engine.kernels import cpu_avx2
+    from agentmem.engine.kernels import cpu_fp32 as cpu_avx2
 
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..engine.engine import DenseKV, Engine, Segment
-from ..engine.kernels import cpu_avx2, cpu_gemv
+from ..engine.kernels import cpu_bf16 as cpu_gemv
+from ..engine.kernels import cpu_fp32 as cpu_avx2
 from ..engine.linear import INT4_GROUP, Proj, onednn_bf16
 from ..engine.loop import EngineLoop
 from ..engine.measured import simd_flags

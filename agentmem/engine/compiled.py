@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_avx2, cpu_gemv
+from .kernels import cpu_bf16 as cpu_gemv
+from .kernels import cpu_fp32 as cpu_avx2
 from .kv_pool import KVPool
 from .layers import rms_norm, rotate
 from .linear import kernels_tag

@@ -23,7 +23,8 @@ from .cancel import CANCEL_POLL_S, cancel_on, current_cancel_event  # noqa: F401
 from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
-from .kernels import cpu_avx2, cpu_gemv
+from .kernels import cpu_bf16 as cpu_gemv
+from .kernels import cpu_fp32 as cpu_avx2
 from .kernels.reference import sdpa
 from .layers import visible
 from .linear import is_four_bit, q4_kernel, resolve_q4_rows, resolve_rows_math, resolve_weights

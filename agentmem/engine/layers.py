@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cpu_avx2, cpu_gemv
+from .kernels import cpu_bf16 as cpu_gemv
+from .kernels import cpu_fp32 as cpu_avx2
 
 # RoPE types the engine computes; HF's others (yarn, longrope, ...) fail at load.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")

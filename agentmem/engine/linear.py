@@ -62,7 +62,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_avx2, cpu_gemv
+from .kernels import cpu_bf16 as cpu_gemv
+from .kernels import cpu_fp32 as cpu_avx2
 from .measured import cpu_flags, remembered, simd_flags
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hugepages
-from .kernels import cpu_avx2, cpu_gemv
+from .kernels import cpu_bf16 as cpu_gemv
+from .kernels import cpu_fp32 as cpu_avx2
 from .layers import AttnBackend, RMSNorm, Rotary
 from .linear import Proj
 

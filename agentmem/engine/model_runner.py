@@ -12,7 +12,9 @@ import torch
 from .block_manager import BlockManager
 from .compiled import CompiledDecode, paged_attention
 from .cuda_graph import GraphDecode
-from .kernels import cpu_avx2, cpu_gemv, paged_decode_attention
+from .kernels import cpu_bf16 as cpu_gemv
+from .kernels import cpu_fp32 as cpu_avx2
+from .kernels import paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool, slot_runs
 from .layers import visible

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.kernels import cpu_avx2, cpu_gemv, rope, selected_attention
+from ..engine.kernels import cpu_bf16 as cpu_gemv
+from ..engine.kernels import cpu_fp32 as cpu_avx2
+from ..engine.kernels import rope, selected_attention
 from ..engine.kernels.reference import sdpa
 from ..engine.layers import half_swapped, visible
 from ..engine.model import Transformer

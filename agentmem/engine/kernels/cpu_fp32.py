@@ -1,11 +1,13 @@
-"""An int8-weight matrix-vector product for CPUs with AVX2 but no AVX-512: decode's weights
-read at a quarter of fp32's bytes on the VMs where the engine runs fp32.
+"""The CPU kernels for fp32 rows (AVX2, FMA and F16C: the engine runs fp32 where the CPU has no
+AVX512-BF16): the library's loader, its ctypes signatures and a Python call for each kernel. The
+C is csrc/fp32/; docs/kernels.md describes each kernel.
 
+Its first kernel is an int8-weight product: decode's weights read at a quarter of fp32's bytes.
 On an AVX2-only CPU the engine runs fp32 (bf16 products there are 8x slower), and a decode
 step reads every fp32 weight once: 540 MB per token of SmolLM2-135M, so one stream is bound
 by memory bandwidth. torch's own int8 product (`_weight_int8pack_mm`) reads a quarter of
 that but runs no faster than fp32 on few rows here. This kernel takes the int8 weights in
-`cpu_gemv.pack`'s layout ([N/16, K/2, 16, 2]: 32 bytes hold the input pair (k, k+1) for 16
+`cpu_bf16.pack`'s layout ([N/16, K/2, 16, 2]: 32 bytes hold the input pair (k, k+1) for 16
 outputs), quantizes each fp32 input row to int16 with its own scale (|x| <= 8191, as the
 AVX-512 `i16` route does), sign-extends the weights to int16 in registers (`vpmovsxbw`) and
 multiplies pairs into int32 sums with `vpmaddwd`, which matches the layout: a 32-bit lane
@@ -13,7 +15,7 @@ holds one output's input pair. Each 16-output group runs its input rows 4 at a t
 accumulators, 2 weight vectors and the broadcast pair fit AVX2's 16 registers); each chunk
 of I16_CHUNK inputs goes to fp32 before the next, so no int32 sum can overflow.
 
-4-bit weights (`AGENTMEM_WEIGHTS=int4`, `cpu_gemv.pack_q4`'s Q4_1 groups) have their own product
+4-bit weights (`AGENTMEM_WEIGHTS=int4`, `cpu_bf16.pack_q4`'s Q4_1 groups) have their own product
 here (`gemv_q4`, and the same `q4` flag through the fused layer calls): the rows quantized to int8
 per 64 inputs and multiplied with `vpmaddubsw` (see `tile_q4` in csrc/fp32/gemv_q4.c).
 
@@ -32,8 +34,8 @@ fp32 or an fp16 pool: `Engine.kv_dtype`), the causal attention of fp32 query row
 a blend's rows and its probe's key shares: `rows_attention`), a few fp32 rows on fp32 weights
 (`gemm_f32`), and a decoder layer of decode rows as one call
 (`layer_q8`) and every layer of a decode step as one call (`layers_q8`), built from the same
-functions so that they give the separate calls' bits; their Python wrappers are `cpu_gemv`'s,
-given this library's C functions and fp32.
+functions so that they give the separate calls' bits. The Python side of the ops both libraries
+hold is `cpu_bf16`'s, given this library's C functions and fp32.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ..measured import cpu_flags, remembered, simd_flags
-from . import cpu_gemv
+from . import cpu_bf16
 from .build import AVX2_FLAGS as _AVX2_FLAGS
 from .build import AVX512BW_FLAGS, FP32_SOURCE, VNNI512_FLAGS, build, kernel_cache, load_once, source_tag
 
@@ -92,7 +94,7 @@ _SIGNATURES = {
                               + [_P] * 7
                               + [_I] * 6 + [_I32, _I32],
 }
-MAX_ROWS = cpu_gemv.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
+MAX_ROWS = cpu_bf16.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
 # Rows up to which Proj's int8 product takes the kernel: past decode's 16, a blend probe's
 # question rows and a short prompt's too. On the Zen 3 VM (session 30, 2 threads) the kernel
 # against the fp32 copy's torch.mm at 16 / 24 / 32 / 48 / 64 rows: gate_up (3072 x 576) 0.49 /
@@ -123,7 +125,7 @@ why_not: str | None = None  # why the kernel is not in use, once `load` has been
 def cpu_ok() -> bool:
     """AVX2, FMA and F16C (which every AVX2 CPU has: the fp16 pool's loads and stores). The engine
     loads this library only for fp32 rows (`Engine.load`: on a CPU with AVX512-BF16 it runs bf16
-    and `cpu_gemv`'s kernels), but it builds and runs on any."""
+    and `cpu_bf16`'s kernels), but it builds and runs on any."""
     return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
@@ -164,7 +166,7 @@ def choose_tile(cache_dir: Path | str | None) -> bool:
             libs[name], why = build("gemv_avx2", _SOURCE, flags, _SIGNATURES, cache_dir)  # load's file
             if libs[name] is None:
                 return {"tile": "avx2", "why": why}
-        times = cpu_gemv.cold_int8_seconds({t: (cpu_gemv.pack, lambda p, scale, x, lib=lib: gemv_q8(lib, p, scale, x))
+        times = cpu_bf16.cold_int8_seconds({t: (cpu_bf16.pack, lambda p, scale, x, lib=lib: gemv_q8(lib, p, scale, x))
                                             for t, lib in libs.items()}, torch.float32)
         us = {t: round(v * 1e6, 1) for t, v in times.items()}
         return {"tile": min(us, key=us.get), "us": us}
@@ -184,22 +186,22 @@ def tag() -> str:
 def gemv_q8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] (fp32) @ (q * scale[:, None]).T (+ bias) -> [M, out] fp32, for `qp` =
-    cpu_gemv.pack(q) of int8 weights q [out, in] and fp32 scale [out]."""
+    cpu_bf16.pack(q) of int8 weights q [out, in] and fp32 scale [out]."""
     n, k = qp.shape[0] * 16, qp.shape[1] * 2
     if x.dim() != 2 or x.shape[-1] != k or x.dtype != torch.float32 or qp.dtype != torch.int8:
         raise ValueError(f"gemv_q8: x must be fp32 [M, {k}] and the weight int8, got {x.dtype} {tuple(x.shape)}")
-    return cpu_gemv.run_product(lib.agentmem_avx2_gemv_q8, qp, scale, x, bias, n, torch.float32, out_flag=False)
+    return cpu_bf16.run_product(lib.agentmem_avx2_gemv_q8, qp, scale, x, bias, n, torch.float32, out_flag=False)
 
 
 def gemv_q4(lib: ctypes.CDLL, wp: torch.Tensor, dm: torch.Tensor, x: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] (fp32) @ w.T (+ bias) -> [M, out] fp32, for w held as `cpu_gemv.pack_q4(w)`
+    """x [M, in] (fp32) @ w.T (+ bias) -> [M, out] fp32, for w held as `cpu_bf16.pack_q4(w)`
     (`agentmem_avx2_gemv_q4`: the rows quantized to int8 per 64 inputs, `vpmaddubsw`)."""
     n, k = wp.shape[0] * 16, wp.shape[1] * 8
     if x.dim() != 2 or x.shape[-1] != k or x.dtype != torch.float32 or wp.dtype != torch.uint8 or k % 64:
         raise ValueError(f"gemv_q4: x must be fp32 [M, {k}] and the weight packed by pack_q4, got {x.dtype} "
                          f"{tuple(x.shape)}")
-    return cpu_gemv.run_product(lib.agentmem_avx2_gemv_q4, wp, dm, x, bias, n, torch.float32, out_flag=False)
+    return cpu_bf16.run_product(lib.agentmem_avx2_gemv_q4, wp, dm, x, bias, n, torch.float32, out_flag=False)
 
 
 def gemm_f32(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -220,19 +222,19 @@ def gemm_f32(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, bias: torch.Ten
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of fp32 rows x [M, D] by an fp32 weight [D] (what F.rms_norm computes, in one call)."""
-    return cpu_gemv.norm_rows(lib.agentmem_avx2_rms_norm_f32, torch.float32, x, weight, eps)
+    return cpu_bf16.norm_rows(lib.agentmem_avx2_rms_norm_f32, torch.float32, x, weight, eps)
 
 
 def rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether `rope` takes x [N, heads, hd] (fp32 on the CPU, each head's dims contiguous and
     heads adjacent, hd a multiple of 16) with fp32 tables [N, hd]."""
-    return cpu_gemv.rope_takes(x, cos, torch.float32, 16)
+    return cpu_bf16.rope_takes(x, cos, torch.float32, 16)
 
 
 def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, hd] rotated by its positions' tables, as `layers.rotate` computes it, into a
     new contiguous tensor (`rope_usable` must hold)."""
-    return cpu_gemv.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin)
+    return cpu_bf16.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin)
 
 
 def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
@@ -240,7 +242,7 @@ def rope_into(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     slice of the blend's K of one layer) instead of a new tensor (`rope_usable` must hold)."""
     if not (rope_usable(x, cos) and out.dtype == torch.float32 and out.shape == x.shape and out.is_contiguous()):
         raise ValueError(f"rope_into: x {x.dtype} {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
-    cpu_gemv.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin, out=out)
+    cpu_bf16.rotate_rows(lib.agentmem_avx2_rope_f32, torch.float32, x, cos, sin, out=out)
 
 
 KV_DTYPES = (torch.float32, torch.float16)  # the pools `decode_attention` and `layer_q8` read (fp32 queries)
@@ -249,20 +251,20 @@ KV_DTYPES = (torch.float32, torch.float16)  # the pools `decode_attention` and `
 def attention_usable(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether `decode_attention` takes such a pool (`dtype`: fp32 or fp16) with fp32 queries: on
     the CPU, head_dim a multiple of 8 up to 256 (any number of query heads per KV head)."""
-    return dtype in KV_DTYPES and cpu_gemv.attention_takes(torch.float32, device, heads, kv_heads, head_dim,
+    return dtype in KV_DTYPES and cpu_bf16.attention_takes(torch.float32, device, heads, kv_heads, head_dim,
                                                            torch.float32, 8, None)
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      idx: torch.Tensor, keep: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """`cpu_gemv.decode_attention` for fp32 queries: one decode query per row over its keys in
+    """`cpu_bf16.decode_attention` for fp32 queries: one decode query per row over its keys in
     the paged pool (q [B, H, hd]; pools [..., KV, hd], contiguous, fp32 or fp16; idx [B * W] flat
     slots; keep [B, W] which of them the row sees). Returns [B, H, hd] fp32."""
     if q.dtype != torch.float32 or k_pool.dtype != v_pool.dtype or k_pool.dtype not in KV_DTYPES:
         raise ValueError(f"decode_attention: fp32 queries over an fp32 or fp16 pool, got {q.dtype} over "
                          f"{k_pool.dtype}/{v_pool.dtype}")
     fn = lib.agentmem_avx2_decode_attn_f16kv if k_pool.dtype == torch.float16 else lib.agentmem_avx2_decode_attn_f32
-    return cpu_gemv.attend_pool(fn, q, k_pool, v_pool, idx, keep, scale)
+    return cpu_bf16.attend_pool(fn, q, k_pool, v_pool, idx, keep, scale)
 
 
 ROWS_MIN = 8  # fewer rows go to SDPA: the kernel computes 8 rows a task whatever their number
@@ -325,7 +327,7 @@ def silu_mul(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor:
     """silu(g) * u of fp32 rows gu [N, 2I] (g = gu[:, :I], u = gu[:, I:]; each row contiguous) in
     one call: [N, I] fp32, the bits the fused layer computes (SiLU's exponential within ~1e-7 of
     torch's)."""
-    return cpu_gemv.silu_rows(lib.agentmem_avx2_silu_mul_f32, torch.float32, gu)
+    return cpu_bf16.silu_rows(lib.agentmem_avx2_silu_mul_f32, torch.float32, gu)
 
 
 def _on_kernel(*projs) -> bool:
@@ -350,14 +352,14 @@ def _block_takes(block) -> bool:
             and block.input_norm.eps == block.post_norm.eps
             and block.input_norm.weight.dtype == block.post_norm.weight.dtype == torch.float32
             and block.input_norm.weight.is_contiguous() and block.post_norm.weight.is_contiguous()
-            and a.sliding_window is None and a.head_dim % 16 == 0 and a.head_dim <= cpu_gemv.MAX_HEAD_DIM
+            and a.sliding_window is None and a.head_dim % 16 == 0 and a.head_dim <= cpu_bf16.MAX_HEAD_DIM
             and a.n_heads % a.n_kv_heads == 0)
 
 
 def _step_takes(h: torch.Tensor, hd: int, *pool_and_tables: torch.Tensor) -> bool:
-    """The parts that depend on the step (`cpu_gemv.decode_step_takes`): fp32 decode rows, an fp32
+    """The parts that depend on the step (`cpu_bf16.decode_step_takes`): fp32 decode rows, an fp32
     or fp16 pool, their tables and the key slots."""
-    return cpu_gemv.decode_step_takes(h, torch.float32, MAX_ROWS, KV_DTYPES, hd, *pool_and_tables)
+    return cpu_bf16.decode_step_takes(h, torch.float32, MAX_ROWS, KV_DTYPES, hd, *pool_and_tables)
 
 
 def _layer_ptrs(block) -> list[int | None]:
@@ -377,7 +379,7 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
     in, the last layer's out; pool: the runner's KVPool (k/v [L, slots, KV, hd]). The table of
     the layers' weight pointers is built once a model (`model._avx2_layers`, reset by `pack`);
     None where a layer or the step is not taken (the caller runs the layers one by one)."""
-    table = cpu_gemv.layer_table(model, "_avx2_layers", _block_takes, _layer_ptrs)
+    table = cpu_bf16.layer_table(model, "_avx2_layers", _block_takes, _layer_ptrs)
     a = model.args
     if table is False or not _step_takes(h, a.head_dim, cos, pool.k, pool.v, slots, idx, keep):
         return None
@@ -389,7 +391,7 @@ def layers_q8(lib: ctypes.CDLL, model, h: torch.Tensor, cos: torch.Tensor, sin: 
         sin.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k[0].numel(), int(pool.k.dtype == torch.float16),
         slots.contiguous().data_ptr(), idx.data_ptr(), keep.data_ptr(), keep.numel() // m, a.head_dim ** -0.5, m,
         h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, model.layers[0].down_p.in_features,
-        cpu_gemv.q4_flag(model.layers[0].down_p),
+        cpu_bf16.q4_flag(model.layers[0].down_p),
         torch.get_num_threads())
     return out
 
@@ -420,6 +422,6 @@ def layer_q8(lib: ctypes.CDLL, block, h: torch.Tensor, cos: torch.Tensor, sin: t
         int(k_pool.dtype == torch.float16), slots.data_ptr(), idx.data_ptr(), keep.data_ptr(), w, a.head_dim ** -0.5, block.o_p.w_gemv.data_ptr(),
         block.o_p.scale.data_ptr(), None if bo is None else bo.data_ptr(), block.gate_up_p.w_gemv.data_ptr(),
         block.gate_up_p.scale.data_ptr(), block.down_p.w_gemv.data_ptr(), block.down_p.scale.data_ptr(), m,
-        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, cpu_gemv.q4_flag(block.down_p),
+        h.shape[1], a.n_heads, a.n_kv_heads, a.head_dim, block.down_p.in_features, cpu_bf16.q4_flag(block.down_p),
         torch.get_num_threads())
     return out

@@ -1,9 +1,23 @@
-"""A bf16 matrix-vector product for few-row products on CPUs with AVX512-BF16: what a decode
-step spends most of its time in.
+"""The CPU kernels for bf16 rows (AVX512-BF16): the library's loader, its ctypes signatures,
+a Python call for each kernel, and the per-machine choices between them.
 
-A decode step multiplies one row (one per stream) by every weight of the model, so it is
-bound by the bytes of weights read. oneDNN's packed bf16 product, the engine's default for
-many rows, reads them well below the machine's bandwidth over a whole SmolLM2-135M token
+It holds (the C in csrc/bf16/; docs/kernels.md describes each kernel):
+- few-row products of bf16, int8 and 4-bit weights in their packed layouts (`gemv`,
+  `gemv_int8`, `gemv_q4`; `pack`, `pack_u8`, `pack_q4`), and how int8 weights multiply here
+  (`choose_q8`);
+- RMSNorm, RoPE, SiLU x up and kvreuse's drift correction of bf16 rows;
+- the decode attention over the paged pool (`decode_attention`, in place of gathering the keys
+  for SDPA) and the causal attention of query rows on vdpbf16ps or AMX tiles (`rows_attention`,
+  `rows_attention_amx`, `rows_route`);
+- the fused decode layer (`qkv_q8u8`, `finish_q8u8`, `layer_q8u8`, `layers_q8u8`);
+- the calls both libraries share, given a library's C function and its rows' dtype
+  (`run_product`, `norm_rows`, `rotate_rows`, `attend_pool`, `silu_rows`, `decode_step_takes`),
+  which cpu_fp32 uses too.
+
+Why a product of its own: a decode step multiplies one row (one per stream) by every weight of
+the model, so it is bound by the bytes of weights read. oneDNN's packed bf16 product, the
+engine's default for many rows, reads them well below the machine's bandwidth over a whole
+SmolLM2-135M token
 (121 products of 0.6-3.5 MB and the 56 MB LM head): each product is short and pays a fixed
 set-up cost. This kernel reads its own layout, packed once at load (`pack`): the weight
 [N, K] as [N/16, K/2, 16, 2], so that one 64-byte load holds an input pair (k, k+1) for 16
@@ -25,10 +39,6 @@ Its C is csrc/bf16.c and the kernel files it includes (csrc/bf16/), compiled onc
 system's C compiler into the cache dir and loaded with ctypes (build.py; `Engine.load` does it,
 `loaded` is what Proj uses); without a compiler, AVX512-BF16, or where the build fails, `load`
 returns None, says why once, and the engine keeps oneDNN.
-
-The same library holds the decode attention kernel (`decode_attention`): one query per
-sequence over its keys read straight from the paged KV pool, which the engine's attention on
-the CPU calls in place of gathering the keys, copying them to fp32 and calling SDPA.
 """
 
 from __future__ import annotations
@@ -306,7 +316,7 @@ def gemv_int8(lib: ctypes.CDLL, qp: torch.Tensor, scale: torch.Tensor, x: torch.
     return gemv(lib, qp, x, bias, out_dtype, scale=scale, i16=i16)
 
 
-# The ops both libraries hold, for bf16 rows here and fp32 rows in `cpu_avx2`: one function an
+# The ops both libraries hold, for bf16 rows here and fp32 rows in `cpu_fp32`: one function an
 # op, given the library's C function (and the dtype of the rows it reads), serves both; each
 # library's public wrapper names its own.
 
@@ -509,7 +519,7 @@ def decode_step_takes(h: torch.Tensor, dtype: torch.dtype, max_rows: int, pool_d
     """Whether a fused decode call (a layer, or every layer of the step) takes this step: 1 to
     `max_rows` contiguous rows of `dtype` on the CPU, fp32 RoPE tables [M, hd], a contiguous
     pool in one of `pool_dtypes` (K and V alike), and the rows' slot tables. This library's
-    calls (bf16 rows and pool) and cpu_avx2's (fp32 rows, fp32 or fp16 pool) share it."""
+    calls (bf16 rows and pool) and cpu_fp32's (fp32 rows, fp32 or fp16 pool) share it."""
     m = h.shape[0] if h.dim() == 2 else 0
     w = keep.numel() // max(m, 1)
     return (h.dtype == dtype and h.device.type == "cpu" and 0 < m <= max_rows and h.is_contiguous()
@@ -849,9 +859,9 @@ _OPS.define("decode_attn(Tensor q, Tensor k_pool, Tensor v_pool, Tensor idx, Ten
 
 def _decode_attn(q, k_pool, v_pool, idx, keep):
     if q.dtype == torch.float32:  # fp32 rows: the AVX2 library's kernel (compiled.paged_attention)
-        from . import cpu_avx2
+        from . import cpu_fp32
 
-        return cpu_avx2.decode_attention(cpu_avx2.loaded(), q, k_pool, v_pool, idx, keep)
+        return cpu_fp32.decode_attention(cpu_fp32.loaded(), q, k_pool, v_pool, idx, keep)
     return decode_attention(_lib, q, k_pool, v_pool, idx, keep)
 
 
