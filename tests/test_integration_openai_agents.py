@@ -132,13 +132,16 @@ def test_what_items_say_is_the_users_memory(store):
 
 
 def test_recall_memory_tool_finds_the_users_memory_and_is_not_memory_itself(store):
-    run(AgentmemSession("earlier", "ana", store=store).add_items([user("My dog is called Rex.")]))
+    guess = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Your dog Max?"}]}
+    run(AgentmemSession("earlier", "ana", store=store).add_items([user("My dog is called Rex."), guess]))
+    assert found(store, "default", "ana", "the user's dog", "Your dog Max?")
     tool = recall_memory_tool("ana", store=store, k=3)
     assert tool.name == "recall_memory" and "remember" in tool.description
     args = json.dumps({"query": "the user's dog"})
     ctx = ToolContext(context=None, tool_name=tool.name, tool_call_id="call_r", tool_arguments=args)
     out = run(tool.on_invoke_tool(ctx, args))
-    assert "user: My dog is called Rex." in out and out.startswith("- 20")
+    assert "the user said: My dog is called Rex." in out and out.startswith("- 20")
+    assert "Max" not in out  # the agent's own earlier guesses are not evidence
     nobody = recall_memory_tool("bob", store=store)
     assert run(nobody.on_invoke_tool(ctx, args)) == "Nothing remembered about that."
     # a recall's call and output are stored as items, never as memory read back again later
@@ -237,7 +240,7 @@ def test_the_sql_runs_off_the_event_loop(store, monkeypatch):
 
 
 def test_runner_keeps_its_turns_in_the_session(engine, embedder, tmp_path):
-    with serve(engine, embedder, tmp_path, max_tokens=64) as served:
+    with serve(engine, embedder, tmp_path, max_tokens=128) as served:
         tenant, key = served.keys["acme"]
         store = served.store
         session = AgentmemSession("now", "ana", tenant, store=store)
@@ -248,16 +251,18 @@ def test_runner_keeps_its_turns_in_the_session(engine, embedder, tmp_path):
             client = AsyncOpenAI(base_url=served.url + "/v1", api_key=key)
             model = OpenAIChatCompletionsModel(model="agentmem", openai_client=client)
             # turn one: the model must call recall_memory (the server's grammar makes the call
-            # parse); its output ends the turn
+            # parse, its query at most 160 characters); its output ends the turn. Greedy: the same
+            # reply every run
             recaller = Agent(name="helper", instructions="Answer from memory.", model=model,
                              tools=[recall_memory_tool("ana", tenant, store=store)],
                              tool_use_behavior="stop_on_first_tool",
-                             model_settings=ModelSettings(max_tokens=48, tool_choice="required"))
+                             model_settings=ModelSettings(max_tokens=96, temperature=0.0,
+                                                         tool_choice="required"))
             first = await Runner.run(recaller, "What is my dog called?", session=session, run_config=quiet)
             after_first = await session.get_items()
             # turn two: a plain reply, on top of the history the session gave the model
             talker = Agent(name="helper", instructions="Be brief.", model=model,
-                           model_settings=ModelSettings(max_tokens=8))
+                           model_settings=ModelSettings(max_tokens=8, temperature=0.0))
             second = await Runner.run(talker, "I also have a cat, Miso.", session=session, run_config=quiet)
             await client.close()
             return first, after_first, second, await session.get_items()

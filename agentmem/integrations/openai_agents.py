@@ -47,6 +47,7 @@ from agents.memory.session_settings import coerce_session_settings, resolve_sess
 
 RECALL_TOOL = "recall_memory"
 HIT_CHARS = 300  # of a hit's text in the tool's answer: enough to answer from, short enough for a small context
+_SAID = {"user": "the user said", "assistant": "you said", "tool": "a tool returned"}  # named speakers: "NAME said"
 
 
 class AgentmemSession:
@@ -117,7 +118,9 @@ def memory_message(item: dict, recalls: Collection[str] = ()) -> dict | None:
 def recall_memory_tool(user_id: str, tenant_id: str = "default", *, store: MemoryStore | None = None,
                        k: int = 5) -> FunctionTool:
     """A `recall_memory` function tool over the user's whole memory (hybrid recall,
-    `MemoryStore.search`): every session's messages and the facts reflection drew from them."""
+    `MemoryStore.search`): every session's messages and the facts reflection drew from them.
+    The agent's own earlier replies are left out, as agentmem's prompt leaves them out of its
+    notes: what the user said is evidence, a small model's past guesses are not."""
     user_id, tenant_id = clean_text(user_id, "user_id"), clean_text(tenant_id, "tenant_id")
     memory = store if store is not None else MemoryStore(Config())
 
@@ -130,19 +133,24 @@ def recall_memory_tool(user_id: str, tenant_id: str = "default", *, store: Memor
         Args:
             query: what to remember, in plain words, e.g. "the user's dog's name" or "trip to Lisbon".
         """
-        hits = await asyncio.to_thread(memory.search, tenant_id, user_id, query, k)
+        hits = await asyncio.to_thread(memory.search, tenant_id, user_id, query, k, own_replies=False)
         return render_hits(hits)
 
     return function_tool(recall_memory, name_override=RECALL_TOOL)
 
 
 def render_hits(hits: list[Hit]) -> str:
-    """One line a hit, with its time and who said it: the model reads it as notes."""
+    """One line a hit: when, and who said it, in words the agent reads as its own notes."""
     if not hits:
         return "Nothing remembered about that."
     lines = []
     for h in hits:
-        who = (h.name or h.role) if h.kind == "message" else h.kind
+        if h.kind != "message":
+            who = f"a {h.kind} you know"
+        elif h.name:
+            who = f"{h.name} said"
+        else:
+            who = _SAID.get(h.role, f"{h.role} said")
         text = " ".join(h.text.split())
         if len(text) > HIT_CHARS:
             text = text[:HIT_CHARS - 1] + "…"
