@@ -159,7 +159,7 @@ def choose_q8(cache_dir: Path | str) -> str:
     layer of decode rows in one C call), which the products alone do not time. So u8 is taken
     unless another route's products are U8_FUSED_SLACK faster. On a 2-core Zen 4 VM the three
     routes' products were within 8% of each other (i16 180, u8 186, bf16 194 us), i16 was
-    taken, and decode ran at 71-74 tok/s against u8's 122 (session 33)."""
+    taken, and decode ran at 71-74 tok/s against u8's 122 (2026-11-27)."""
     global q8_route
     mode = os.environ.get("AGENTMEM_GEMV_Q8", "auto")
     if mode not in ("auto", *Q8_ROUTES):
@@ -713,9 +713,9 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
     EPYC VMs the kernel ran 2,048 tokens 3x faster than SDPA; on a Xeon VM with avx512_bf16
     (no AMX), where vdpbf16ps issues at half the rate of fp32 FMAs, it took 50 ms a layer
     against fp32 SDPA's 36; on a Xeon VM with AMX, bf16 SDPA (oneDNN's AMX flash attention)
-    took 13 ms against the kernel's 40 and fp32's 33 (session 31), and where AMX is usable the
+    took 13 ms against the kernel's 40 and fp32's 33 (2026-11-27), and where AMX is usable the
     engine's own AMX kernel is a fourth candidate: 4.7-5.2 ms against bf16 SDPA's 12 there
-    (session 32)."""
+    (2026-11-27)."""
     if _lib is None or not attention_usable(torch.bfloat16, torch.device("cpu"), heads, kv_heads, head_dim):
         return "bf16"
     from ..model_runner import sdpa_chunk  # lazy: the runner imports this module

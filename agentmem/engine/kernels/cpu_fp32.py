@@ -96,12 +96,12 @@ _SIGNATURES = {
 }
 MAX_ROWS = cpu_bf16.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decode batches)
 # Rows up to which Proj's int8 product takes the kernel: past decode's 16, a blend probe's
-# question rows and a short prompt's too. On the Zen 3 VM (session 30, 2 threads) the kernel
+# question rows and a short prompt's too. On the Zen 3 VM (2026-11-26, 2 threads) the kernel
 # against the fp32 copy's torch.mm at 16 / 24 / 32 / 48 / 64 rows: gate_up (3072 x 576) 0.49 /
 # 0.61 / 0.82 / 1.28 / 1.63 ms against 0.78 / 0.90 / 1.16 / 1.54 / 2.04; down (576 x 1536) 0.21 /
 # 0.32 / 0.42 / 0.63 / 0.92 against 0.28 / 0.39 / 0.48 / 0.70 / 0.79; qkv (960 x 576) even at 64.
 # With the AVX512-VNNI tile the kernel wins at every row count (a 2-core Xeon VM, Cascade Lake:
-# avx512_vnni, no avx512_bf16, session 38): alone, kernel / torch.mm in ms, best of 20, gate_up
+# avx512_vnni, no avx512_bf16, 2026-11-28): alone, kernel / torch.mm in ms, best of 20, gate_up
 # at 64 / 128 / 256 / 512 rows 1.25 / 2.17 / 4.35 / 8.88 against 2.53 / 3.13 / 5.98 / 7.53, down
 # 0.67 / 0.70 / 1.79 / 4.71 against 1.08 / 1.14 / 2.41 / 5.56, qkv 0.32 / 0.67 / 1.32 / 2.88
 # against 0.55 / 0.81 / 1.57 / 3.45; inside the forward, where the fp32 copy streams four times
@@ -110,7 +110,7 @@ MAX_ROWS = cpu_bf16.MAX_ROWS  # rows up to which RMSNorm takes the kernel (decod
 # 4.87-5.40 -> 4.03-4.72 s. So there every row takes it and no fp32 copy is made (int8 is then a
 # memory format too).
 PRODUCT_MAX_ROWS = 48
-# fp32 rows up to which fp32 weights take `gemm_f32` (more: MKL's sgemm). Session 48, Zen 3 VM, ms,
+# fp32 rows up to which fp32 weights take `gemm_f32` (more: MKL's sgemm). Zen 3 VM, 2026-11-29, ms,
 # MKL on the transposed weight / the kernel, hot: 18 rows 0.26 / 0.14 (960 x 576), 0.92 / 0.37
 # (3,072 x 576), 0.38 / 0.20 (576 x 1,536); 48 rows 1.49 / 0.97 (3,072 x 576).
 F32_MAX_ROWS = 48
@@ -147,7 +147,7 @@ def choose_tile(cache_dir: Path | str | None) -> bool:
     where the CPU has no VNNI): AGENTMEM_GEMV_VNNI512 = auto (the default: on a CPU that has
     AVX-512, both builds' products timed in turns over cold weights, one row and eight together,
     once per machine and remembered under `cache_dir`) | on | off. The two give the same bits, so
-    this is a choice of speed alone. On the Cascade Lake VM of session 38 the VNNI tile took eight
+    this is a choice of speed alone. On the Cascade Lake VM (2026-11-28) the VNNI tile took eight
     rows' products from 16.2 to 8.7-10.9 ms and one row's from 7.4-7.8 to 7.2-7.6."""
     mode = os.environ.get("AGENTMEM_GEMV_VNNI512", "auto")
     if mode not in ("auto", "on", "off"):
@@ -269,7 +269,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_pool: torch.Tensor, v_
 
 ROWS_MIN = 8  # fewer rows go to SDPA: the kernel computes 8 rows a task whatever their number
 # Keys past which the AVX2 build's rows go to SDPA: a head's packed K (256 bytes a key at hd 64)
-# leaves L2. Session 48, Zen 3 VM, 512 rows after 7,680 keys: 142.2 ms a layer against SDPA's
+# leaves L2. Zen 3 VM, 2026-11-29, 512 rows after 7,680 keys: 142.2 ms a layer against SDPA's
 # 123.6; after 3,584: 53.7 against 66.9 (prefill chunks and a blend's rows alike).
 AVX2_ROWS_MAX_KEYS = 4096
 
@@ -288,7 +288,7 @@ def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
 
 def f32_kernel() -> ctypes.CDLL | None:
     """The loaded library where few fp32 rows on fp32 weights take `gemm_f32`: the AVX2 build, on
-    the AVX2-only CPUs it was measured on (session 48); an AVX-512 CPU keeps MKL's 512-bit sgemm,
+    the AVX2-only CPUs it was measured on (Zen 3, 2026-11-29); an AVX-512 CPU keeps MKL's 512-bit sgemm,
     not measured against it."""
     return loaded() if rows_build() == "avx2" else None
 

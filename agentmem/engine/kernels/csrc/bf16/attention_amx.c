@@ -27,7 +27,7 @@
    The tile work is split into key tiles (S) and dim tiles (P V) and interleaved with the
    weights: after each 16 keys' weights of block kb come one key tile of block kb+1's scores
    and a share of block kb-1's P V, for the tile unit to run while the vector units go on.
-   Session 32's AMX Xeon VM (2 threads; 2,048 tokens of 9/3 heads of 64 in four 512-row chunks,
+   The AMX Xeon VM, 2026-11-27 (2 threads; 2,048 tokens of 9/3 heads of 64 in four 512-row chunks,
    as `choose_rows_route` times them): 4.75 ms against 12 for bf16 SDPA and 39 for the vdpbf16ps
    kernel; a first version (a separate max pass, degree-6 2^x, whole blocks in turn) took 6.0,
    the whole-block order with the scores one block ahead 4.9. Measured there with the parts
@@ -39,7 +39,7 @@
    With `share` (the kvreuse probe's signal: per key, its weight times |v| summed over the rows
    and heads), a row tile whose softmax is final goes over its keys once more: the scores again
    on the tiles, the normalised weights, summed over the row lanes into the thread's own [T]
-   buffer, added to `share` once the team is done (session 49, AMX Xeon VM: 24 probe rows over
+   buffer, added to `share` once the team is done (2026-11-29, AMX Xeon VM: 24 probe rows over
    2,056 keys 0.52 ms a layer against 3.8 for torch's bmm and softmax and 1.06 for the vdpbf16ps
    kernel's share).
    Tile config (all 8 tiles 16 rows x 64 bytes) is loaded by each thread of the team, released

@@ -31,7 +31,7 @@ static inline __m512 hsum16(const __m512 v[16]) {
    stream), each item reads whole pool rows (all KV heads of a key) while they are in cache, the
    next keys are prefetched while the scores of these are summed, and the weighted sum of V keeps
    its accumulators in registers (`pv_heads`, unrolled per head count and width). With one chunk
-   the result is that of a single softmax pass. Session 32, 2-core AMX Xeon VM, SmolLM2-135M's
+   the result is that of a single softmax pass. 2-core AMX Xeon VM, 2026-11-27, SmolLM2-135M's
    heads (9 of 64, 3 KV), the layer's pool cold: see docs/engine.md. */
 #include "../decode_chunks.h"
 
@@ -90,7 +90,7 @@ static void scores_any(const uint16_t *kp, const int64_t *slot, int64_t ldv, int
 /* The pool's K and V rows of one key (all KV heads: ldv elements each) fetched into L1. The first
    pass of an item (KV head 0) fetches whole rows DA_AHEAD keys ahead, so the passes of the other
    KV heads and the weighted sum of V find them in cache: a decode step's pool is cold (the layer
-   weights streamed through the caches since this layer's last step). Session 36, Zen 4 VM, all
+   weights streamed through the caches since this layer's last step). Zen 4 VM, 2026-11-27, all
    30 layers of a step in one call, best of 5: 1 row over 2,048 keys 8.39 -> 7.43 ms, 8 rows over
    400 keys 11.18 -> 9.61; 16 keys ahead by KV head (before) was the slowest, 64 and 128 whole
    rows no better than 32, nor prefetching into L2 only. */

@@ -13,7 +13,7 @@
    buffer (exact two-pass softmax in fp32), then its outputs are summed over V 4 rows at a
    time (each V load serves 4 rows). Against torch's SDPA in bf16, on 2,048 causal tokens of
    SmolLM2's heads (9 of 64, 3 KV; AMD EPYC, 2 threads): 11.5 against 34.8 ms, and a lower
-   mean error against an fp32 reference (7.8e-5 against 1.2e-4). Session 29 (AMD EPYC Zen 4
+   mean error against an fp32 reference (7.8e-5 against 1.2e-4). On 2026-11-26 (AMD EPYC Zen 4
    VM, 400 GFLOP/s bf16, 2 threads; 2,048 causal tokens): 22-24 ms, of which P V (two products
    per key pair) ~12 ms; with P as one bf16, 17-19 ms, and through the whole bf16 model the
    same KL against fp32 (512 tokens: 8.01e-4 against 8.03e-4; 2,048: 7.22e-4 against 7.13e-4).

@@ -15,7 +15,7 @@
 /* How far ahead tile_u8 fetches its weight stream, and to where: 8 KB into L2. With eight rows
    a 64-byte line feeds eight `vpdpbusd`, so the loop consumes lines slower than one row's but
    still faster than memory delivers them; 2 KB ahead into L1 (Q8_AHEAD, the other tiles') left
-   too few lines in flight. Cold 3,072 x 576 products on a 2-core Zen 4 VM (session 40, best of
+   too few lines in flight. Cold 3,072 x 576 products on a 2-core Zen 4 VM (2026-11-28, best of
    15): eight rows 73.9 -> 62.6 us (24.0 -> 28.3 GB/s), one row 56.9 -> 60.0 (within that VM's
    run-to-run spread); 8 decode streams 685-910 -> 877-962 tok/s, alternated in one process. */
 #define U8_AHEAD 8192
