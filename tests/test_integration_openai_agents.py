@@ -201,6 +201,20 @@ def test_popped_and_cleared_items_leave_search_at_once(store, monkeypatch):
             assert found(store, "default", "ana", query, text, retrievers=retrievers), (query, retrievers)
 
 
+def test_concurrent_pops_take_each_item_once(store):
+    s = AgentmemSession("s", "ana", store=store)
+    items = [user(f"item {i}") for i in range(6)]
+    run(s.add_items(items))
+
+    async def pops():
+        return await asyncio.gather(*[s.pop_item() for _ in range(8)])
+
+    got = run(pops())
+    assert sorted((g for g in got if g is not None), key=lambda i: i["content"]) == items
+    assert got.count(None) == 2
+    assert store.session_messages("default", "ana", "s") == []
+
+
 def test_bad_items_are_refused_whole(store):
     s = AgentmemSession("s", "ana", store=store)
     for bad in ([user("fine"), user("nul \x00 inside")], [user("lone \ud800 surrogate")],
