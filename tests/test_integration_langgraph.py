@@ -229,6 +229,8 @@ def test_isolation_between_namespaces_users_and_tenants(store, mstore):
     assert store.get(BO, "pet") is None and store.search(("memories",), filter={"text": "Bo has a parrot called Kiwi"}) == []
 
     other = AgentmemStore("tenant-b", store=mstore)
+    other.delete(ANA, "pet")  # nothing to delete: nothing written, not even the tenant
+    assert "tenant-b" not in {t.id for t in mstore.list_tenants()}
     assert other.get(ANA, "pet") is None
     assert other.search(ANA, query="greyhound") == [] and other.search(()) == []
     assert other.list_namespaces() == []

@@ -31,6 +31,9 @@ its recall score; after them, with score None, the ones recall did not return (n
 or beyond its candidates). `filter` matches value fields exactly, nested dicts field by
 field, lists element by element, and takes the operators $eq, $ne, $gt, $gte, $lt, $lte (a
 field an item lacks, or one that is no number, is in no range; InMemoryStore raises there).
+A search reads every item under its prefix (the filter is LangGraph's JSON semantics, run
+here); with a query it asks each user's recall for as many hits as it has items plus
+`MESSAGE_ROOM`, because the user's messages rank among its memories.
 
 A batch runs as LangGraph's own stores run it: its reads see the store as it was before the
 batch, then its puts are applied (the last put of a key wins) in one transaction, all or
@@ -187,17 +190,15 @@ class AgentmemStore(BaseStore):
         concurrent writer that inserted one of the same new items first makes the whole
         batch run again, as an update of it."""
         writes = [self._checked(op) for op in puts]
-        archive = self.store.archive
         for attempt in range(2):
             try:
-                with archive.tx():
-                    for ns, user, key, value, text in writes:
-                        self._write(ns, user, key, value, text)
+                with self.store.archive.tx():
+                    written = [user for ns, user, key, value, text in writes if self._write(ns, user, key, value, text)]
                 break
             except IntegrityError:
                 if attempt:
                     raise
-        for user in dict.fromkeys(user for _ns, user, _key, _value, _text in writes):
+        for user in dict.fromkeys(written):
             self.store.recall.sync(self.tenant_id, user)
 
     def _checked(self, op: PutOp) -> tuple[str, str, str, dict | None, str | None]:
@@ -216,16 +217,19 @@ class AgentmemStore(BaseStore):
         check_item(value, f"the value of {key!r}")
         return ns, self._user(op.namespace), key, value, self._text(value, op.index)
 
-    def _write(self, ns: str, user: str, key: str, value: dict | None, text: str | None) -> None:
+    def _write(self, ns: str, user: str, key: str, value: dict | None, text: str | None) -> bool:
+        """Whether anything was written (deleting a missing item writes nothing)."""
         archive = self.store.archive
         old = store_items.get(archive, self.tenant_id, user, ns, key)
         if value is None:
-            if old is not None:
-                store_items.remove(archive, self.tenant_id, user, ns, key)
-                self._drop_memory(user, old.memory_id)
-            return
+            if old is None:
+                return False
+            store_items.remove(archive, self.tenant_id, user, ns, key)
+            self._drop_memory(user, old.memory_id)
+            return True
         memory_id = self._memory(user, None if old is None else old.memory_id, text)
         store_items.put(archive, self.tenant_id, user, ns, key, value, memory_id, self._stamp())
+        return True
 
     def _memory(self, user: str, memory_id: int | None, text: str | None) -> int | None:
         """The id of the memory holding `text` (None: no text, no memory): the item's own
