@@ -54,7 +54,7 @@ import torch
 
 from ..measured import best_seconds_each, cpu_flags, remembered, simd_flags
 from .build import BF16_FLAGS, BF16_SOURCE, load_once, source_tag
-from .build import build as build  # re-exported: the fp32 library's variants are built through it too
+from .build import build as build  # re-exported for callers that build a library variant through this module
 
 MAX_ROWS = 16  # input rows up to which Proj uses the kernel (the largest decode bucket)
 BLOCK = 32  # outputs per block: a weight's out_features must be a multiple
