@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-peers bench-memory-kv lint
+.PHONY: setup demo test test-fast bench bench-peers bench-memory-kv lint
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -45,6 +45,10 @@ bench-peers: $(LLAMA_STAMP)
 
 test: setup $(LLAMA_STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# everything but the tests that run the model or a benchmark (marked `slow` in tests/conftest.py)
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check agentmem tests

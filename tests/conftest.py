@@ -19,6 +19,17 @@ import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# what makes a test slow: the model (loaded once per session, then every turn runs it) or a
+# benchmark run; `make test-fast` leaves these out, `make test` runs everything
+MODEL_FIXTURES = frozenset({"engine", "hf_model"})
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or "bench" in item.path.name:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _timings_are_saved_under_load(monkeypatch):
     """The engine does not save a choice it timed on a busy machine (measured.machine_busy); the
