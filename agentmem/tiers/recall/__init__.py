@@ -50,13 +50,13 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from .archive import Archive
-from .byte_lru import ByteLRU
-from .keys import context_view, unprefixed, with_keys
-from .query import ParsedQuery, content_terms, information, parse_query, words
-from .records import SENTENCE_BREAK, Hit, Memory, Message, MessageMeta, only_asks, own_reply
-from .specific import TermStats, topical
-from .timeparse import warm_up
+from ..archive import Archive
+from ..byte_lru import ByteLRU
+from ..keys import context_view, unprefixed, with_keys
+from ..query import ParsedQuery, content_terms, information, parse_query, words
+from ..records import SENTENCE_BREAK, Hit, Memory, Message, MessageMeta, only_asks, own_reply
+from ..specific import TermStats, topical
+from ..timeparse import warm_up
 
 CHUNK_CHARS = 1000  # all-MiniLM-L6-v2 reads 256 word pieces, about this many characters
 MAX_CHUNKS = 2047  # pieces of one message
@@ -1241,7 +1241,7 @@ _EVENTS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="recall-event")
 def _released_pool(fn: Callable, *args, **kwargs):
     """`fn` on a pool thread that frees its OpenMP workers afterwards (engine/threads.py: idle
     pools on other threads slow the engine's decode)."""
-    from ..engine.threads import release_omp_pool  # the engine package imports torch: not at import
+    from ...engine.threads import release_omp_pool  # the engine package imports torch: not at import
 
     try:
         return fn(*args, **kwargs)
