@@ -125,7 +125,7 @@ def measure(messages: int, calls: int, seed: int, data: Path) -> dict:
     queries = [rng.choice(questions) for _ in range(calls)]
     extra = history[messages:]
     turns = [extra[i:i + 2] for i in range(0, 2 * 3 * calls, 2)]
-    config = Config(data_dir=data)
+    config = Config(data_dir=data, embed_bulk_nice=0)  # the set-up's indexing at full priority
     store = MemoryStore(config)
     tenant, key = create_tenant_with_key(store, "bench-mcp")
     user = "bench-user"
