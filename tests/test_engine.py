@@ -38,11 +38,11 @@ def test_int4_holds_the_shipped_q4_1_projections_exactly(engine):
     """The default model's projections are Q4_1 in its GGUF (scale and minimum per 32 inputs):
     the q4 layout AGENTMEM_WEIGHTS=int4 keeps recovers every one of them bit for bit from the
     fp32 weights the GGUF was dequantized to, where int8 (a scale per row) rounds them."""
-    from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
+    from agentmem.engine.kernels import cpu_bf16
 
     for block in engine.model.layers[::7]:
         for w in (block.wqkv, block.o_proj.weight, block.w_gate_up, block.down_proj.weight):
-            assert torch.equal(cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(w)), w)
+            assert torch.equal(cpu_bf16.unpack_q4(*cpu_bf16.pack_q4(w)), w)
     w = engine.model.layers[0].w_gate_up
     scale = w.abs().amax(1, keepdim=True) / 127
     assert not torch.equal((w / scale).round() * scale, w)

@@ -14,7 +14,7 @@ from test_models import build_tokenizer, hf_config, randomize
 
 from agentmem.config import Config
 from agentmem.engine import Engine, EngineLoop
-from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
+from agentmem.engine.kernels import cpu_bf16
 from agentmem.engine.linear import (
     PREFILL_SLACK,
     ROWS_MATH_GAIN,
@@ -141,7 +141,7 @@ def test_the_auto_choice_is_measured_once_and_remembered(tmp_path):
 def test_the_auto_choice_does_not_time_the_same_prefill_product_twice(tmp_path):
     """With the AVX512-BF16 kernels int8's many rows multiply a bf16 copy of the dequantized
     weight, bf16's own product: only decode decides (a noisy 512-row timing once chose bf16)."""
-    if cpu_gemv.loaded() is None:
+    if cpu_bf16.loaded() is None:
         pytest.skip("the AVX512-BF16 kernels are not loaded here")
     choice = fastest("bf16", (256, 64), tmp_path)
     ((key, entry),) = json.loads((tmp_path / "weights-choice.json").read_text()).items()
@@ -437,7 +437,7 @@ def _tiny_hd32(tmp_path_factory, name: str, seed: int):
     return path
 
 
-@pytest.mark.skipif(not cpu_gemv.vnni(), reason="the fused decode layer runs on AVX512-VNNI (u8 route)")
+@pytest.mark.skipif(not cpu_bf16.vnni(), reason="the fused decode layer runs on AVX512-VNNI (u8 route)")
 def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_factory, monkeypatch):
     """Decode rows of a bf16 model with int8 weights on the u8 route run every layer of a step in
     one C call (norm, qkv, RoPE, the K/V write into the paged pool, attention, the MLP, layer
@@ -448,15 +448,15 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     from agentmem.engine import model as M
 
     path = _tiny_hd32(tmp_path_factory, "tiny-llama-hd32", seed=4)
-    monkeypatch.setattr(cpu_gemv, "q8_route", cpu_gemv.q8_route)  # restored after the test
+    monkeypatch.setattr(cpu_bf16, "q8_route", cpu_bf16.q8_route)  # restored after the test
     monkeypatch.setenv("AGENTMEM_GEMV_Q8", "u8")
     e = load(path, dtype="bfloat16", weights="int8", compile="off")
-    if cpu_gemv.loaded() is None:
-        pytest.skip(f"no bf16 kernels: {cpu_gemv.why_not}")
+    if cpu_bf16.loaded() is None:
+        pytest.skip(f"no bf16 kernels: {cpu_bf16.why_not}")
     assert e.model.layers[0].o_p.q8_route == "u8"
     fused_rows = []
-    real = cpu_gemv.layers_q8u8
-    monkeypatch.setattr(cpu_gemv, "layers_q8u8",
+    real = cpu_bf16.layers_q8u8
+    monkeypatch.setattr(cpu_bf16, "layers_q8u8",
                         lambda lib, model, h, *a: (out := real(lib, model, h, *a)) is not None
                         and fused_rows.append(h.shape[0]) or out)
     one = [ids(30, seed=1)]
@@ -473,12 +473,12 @@ def test_an_fp32_engine_on_the_avx2_kernels_keeps_its_kv_in_fp16(tmp_path_factor
     fp16 (half the bytes a step reads), decode steps run their layers in one C call over it, and a prompt longer than a prefill chunk (its later chunks attend to the pool's
     fp16 K/V, widened) gives logits within fp16's rounding of an fp32 pool's, step by step. An
     explicit kv_dtype that the engine cannot read is refused."""
-    from agentmem.engine.kernels import cpu_fp32 as cpu_avx2
+    from agentmem.engine.kernels import cpu_fp32
 
-    if cpu_avx2.load() is None:
-        pytest.skip(f"no AVX2 kernels: {cpu_avx2.why_not}")
-    monkeypatch.setattr(cpu_gemv, "_lib", None)  # as on an AVX2-only CPU: fp32 rows take cpu_avx2
-    monkeypatch.setattr(cpu_gemv, "_tried", True)
+    if cpu_fp32.load() is None:
+        pytest.skip(f"no AVX2 kernels: {cpu_fp32.why_not}")
+    monkeypatch.setattr(cpu_bf16, "_lib", None)  # as on an AVX2-only CPU: fp32 rows take cpu_fp32
+    monkeypatch.setattr(cpu_bf16, "_tried", True)
     path = _tiny_hd32(tmp_path_factory, "tiny-llama-avx2", seed=5)
     e16 = load(path, dtype="float32", weights="int8", prefill_chunk=64, compile="off")
     e32 = load(path, dtype="float32", weights="int8", prefill_chunk=64, kv_dtype="float32", compile="off")
@@ -487,8 +487,8 @@ def test_an_fp32_engine_on_the_avx2_kernels_keeps_its_kv_in_fp16(tmp_path_factor
     loop16, loop32 = EngineLoop(e16), EngineLoop(e32)
     assert loop16.pool.k.dtype == torch.float16
     fused = []  # the pool dtype of each decode step that ran every layer in one C call
-    real = cpu_avx2.layers_q8
-    monkeypatch.setattr(cpu_avx2, "layers_q8", lambda lib, model, h, *a: (out := real(lib, model, h, *a)) is not None
+    real = cpu_fp32.layers_q8
+    monkeypatch.setattr(cpu_fp32, "layers_q8", lambda lib, model, h, *a: (out := real(lib, model, h, *a)) is not None
                         and fused.append(a[2].k.dtype) or out)
     seen = {16: {}, 32: {}}  # the logits of each context a step ended (how steps batch depends on timing)
 
@@ -522,10 +522,10 @@ def test_bf16_rows_give_their_fp32_sums_where_asked(fmt):
     """`Proj.multiply(x, torch.float32)` on the engine's own bf16-row kernels (the LM head's
     logits) returns the product's fp32 sums: the bf16 result is exactly those sums rounded, and
     most of them are not bf16 values."""
-    from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
+    from agentmem.engine.kernels import cpu_bf16
 
-    if cpu_gemv.load() is None:
-        pytest.skip(f"no bf16-row kernels here: {cpu_gemv.why_not}")
+    if cpu_bf16.load() is None:
+        pytest.skip(f"no bf16-row kernels here: {cpu_bf16.why_not}")
     g = torch.Generator().manual_seed(1)
     p = Proj((0.05 * torch.randn(320, 256, generator=g)).bfloat16(), None, fmt)
     if p.w_gemv is None or (fmt == "int4" and p.q8_route != "q4"):
@@ -542,14 +542,14 @@ def test_many_bf16_rows_of_int4_weights_take_the_kernel_where_set():
     """`Proj.q4_rows` (linear.resolve_q4_rows) sends bf16 rows past the decode rows to the 4-bit
     kernel (the same product as `gemv_q4` on them) or to the dense bf16 copy; the setting is
     checked, and dense is the default."""
-    from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
+    from agentmem.engine.kernels import cpu_bf16
     from agentmem.engine.linear import Q4_ROWS_ALL, resolve_q4_rows
 
     with pytest.raises(ValueError, match="q4_rows must be"):
         resolve_q4_rows("auto")
     assert resolve_q4_rows("kernel") == Q4_ROWS_ALL
-    assert resolve_q4_rows(Config().q4_rows) == cpu_gemv.MAX_ROWS
-    lib = cpu_gemv.load()
+    assert resolve_q4_rows(Config().q4_rows) == cpu_bf16.MAX_ROWS
+    lib = cpu_bf16.load()
     g = torch.Generator().manual_seed(2)
     p = Proj((0.05 * torch.randn(96, 128, generator=g)).bfloat16(), None, "int4")
     if lib is None or p.q8_route != "q4":
@@ -557,8 +557,8 @@ def test_many_bf16_rows_of_int4_weights_take_the_kernel_where_set():
     x = torch.randn(40, 128, generator=g).bfloat16()
     p.q4_rows = Q4_ROWS_ALL
     kernel = p(x)
-    assert torch.equal(kernel, cpu_gemv.gemv_q4(lib, p.w_gemv, p.scale, x))
-    p.q4_rows = cpu_gemv.MAX_ROWS
+    assert torch.equal(kernel, cpu_bf16.gemv_q4(lib, p.w_gemv, p.scale, x))
+    p.q4_rows = cpu_bf16.MAX_ROWS
     dense = p(x)
     assert not torch.equal(dense, kernel)  # the rows were not quantized
     assert (dense.float() - kernel.float()).norm() < 0.02 * dense.float().norm()
@@ -572,7 +572,7 @@ def test_the_residual_joins_the_product_before_its_rounding(fmt, monkeypatch):
     (the decode kernels' few rows, widened rows, fp32)."""
     from agentmem.engine import linear
 
-    cpu_gemv.load()  # the kernels' routes as an engine has them (None on a CPU without them)
+    cpu_bf16.load()  # the kernels' routes as an engine has them (None on a CPU without them)
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
     g = torch.Generator().manual_seed(3)
     w, b = (0.05 * torch.randn(192, 128, generator=g)).to(dtype), torch.randn(192, generator=g).to(dtype)
@@ -588,7 +588,7 @@ def test_the_residual_joins_the_product_before_its_rounding(fmt, monkeypatch):
             got = p.plus(h, x)
             apart = h + p(x)
             assert got.dtype == dtype and got.shape == (rows, 192)
-            kernel = p.w_gemv is not None and rows <= cpu_gemv.MAX_ROWS  # the decode kernels' rows
+            kernel = p.w_gemv is not None and rows <= cpu_bf16.MAX_ROWS  # the decode kernels' rows
             takes = (dtype == torch.bfloat16 and math == "bf16" and linear.onednn_bf16() and not kernel
                      and (fmt == "bf16" or p.w_gemv is not None))  # int8 with no kernel: torch's int8 op
             assert fused == ([1] if takes else [])

@@ -164,7 +164,7 @@ def test_rerotated_k_equals_k_computed_at_the_new_positions(engine):
 
 
 def test_blocked_selected_attention_equals_the_reference(monkeypatch):
-    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")  # the grouped SDPA path, not cpu_avx2's AVX-512 kernel
+    monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")  # the grouped SDPA path, not cpu_fp32's AVX-512 kernel
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(300, 3, 16, generator=g), torch.randn(300, 3, 16, generator=g)
     rows = torch.randperm(300, generator=g)[:200].sort().values
@@ -179,14 +179,14 @@ def test_blocked_selected_attention_equals_the_reference(monkeypatch):
 
 
 def test_row_attention_plans_no_sdpa_blocks_where_the_fp32_kernel_takes_the_rows():
-    from agentmem.engine.kernels import cpu_fp32 as cpu_avx2
+    from agentmem.engine.kernels import cpu_fp32
 
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
     rows = torch.randperm(300, generator=g)[:64].sort().values
     q = torch.randn(64, 9, 64, generator=g)
-    if cpu_avx2.rows_kernel(q, k) is None:
-        pytest.skip("no fp32 rows kernel here (cpu_avx2's AVX-512 build)")
+    if cpu_fp32.rows_kernel(q, k) is None:
+        pytest.skip("no fp32 rows kernel here (cpu_fp32's AVX-512 build)")
     attend = RowAttention(rows, 300, dtype=torch.float32)
     out = attend(q, k, v)
     assert (out - selected_attention_ref(q, k, v, rows, torch.arange(300))).abs().max().item() < 1e-4

@@ -57,8 +57,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..engine.engine import DenseKV, Engine, Segment
-from ..engine.kernels import cpu_bf16 as cpu_gemv
-from ..engine.kernels import cpu_fp32 as cpu_avx2
+from ..engine.kernels import cpu_bf16, cpu_fp32
 from ..engine.linear import INT4_GROUP, Proj, onednn_bf16
 from ..engine.loop import EngineLoop
 from ..engine.measured import simd_flags
@@ -506,7 +505,7 @@ def main(argv: list[str]) -> int:
         "weights": weights,
         "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),  # the paged pool's (Engine.kv_dtype)
         "rows_math": rows_math,
-        "rows_attention": cpu_gemv.rows_route(margs.n_heads, margs.n_kv_heads, margs.head_dim)
+        "rows_attention": cpu_bf16.rows_route(margs.n_heads, margs.n_kv_heads, margs.head_dim)
         if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa",
         "compiled": on,
         "decode_tok_s_eager": round(eager, 2),
@@ -524,8 +523,8 @@ def main(argv: list[str]) -> int:
         "max_logit_err": err,
         "perplexity": ppl,
         "decode_perplexity": ppl_decode,
-        "int8_route": (cpu_gemv.q8_route if cpu_gemv.loaded() is not None
-                       else "avx2" if cpu_avx2.loaded() is not None else "torch"),
+        "int8_route": (cpu_bf16.q8_route if cpu_bf16.loaded() is not None
+                       else "avx2" if cpu_fp32.loaded() is not None else "torch"),
         "int8_max_logit_err_vs_fp32": None if int8_logits is None else round(float((int8_logits - ref).abs().max()), 4),
         "kv_utilization": round(util, 4),
         "dtype": str(dtype).removeprefix("torch."),

@@ -47,8 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_bf16 as cpu_gemv
-from .kernels import cpu_fp32 as cpu_avx2
+from .kernels import cpu_bf16, cpu_fp32
 from .kv_pool import KVPool
 from .layers import rms_norm, rotate
 from .linear import kernels_tag
@@ -101,7 +100,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     and the gather copies the keys anyway."""
     b, kv_heads, hd = q.shape[0], k_pool.shape[-2], k_pool.shape[-1]
     if any(k.loaded() is not None and k.attention_usable(q.dtype, q.device, q.shape[1], kv_heads, hd)
-           for k in (cpu_gemv, cpu_avx2)):  # the op picks the library by dtype
+           for k in (cpu_bf16, cpu_fp32)):  # the op picks the library by dtype
         keep = mask if mask is not None else torch.ones(b, width, dtype=torch.bool, device=q.device)
         return torch.ops.agentmem.decode_attn(q, k_pool, v_pool, idx, keep)
     up = q.dtype == torch.bfloat16 and q.device.type == "cpu"

@@ -23,8 +23,7 @@ from .cancel import CANCEL_POLL_S, cancel_on, current_cancel_event  # noqa: F401
 from .defaults import sampling_defaults
 from .errors import EmptyPrompt, PromptTooLong
 from .grammar import GrammarCompiler
-from .kernels import cpu_bf16 as cpu_gemv
-from .kernels import cpu_fp32 as cpu_avx2
+from .kernels import cpu_bf16, cpu_fp32
 from .kernels.reference import sdpa
 from .layers import visible
 from .linear import is_four_bit, q4_kernel, resolve_q4_rows, resolve_rows_math, resolve_weights
@@ -89,7 +88,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         # step reads; on an AVX2-only CPU torch emulates it and bf16 matmuls run ~10x slower
         # than fp32. Where a bf16 CPU still multiplies many rows faster in fp32 (a Xeon without
         # AMX: oneDNN's bf16 GEMM at half sgemm's rate), prefill is widened, not the engine:
-        # linear.resolve_rows_math and cpu_gemv.choose_rows_route measure that per machine.
+        # linear.resolve_rows_math and cpu_bf16.choose_rows_route measure that per machine.
         return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
@@ -182,7 +181,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     read and write fp16 K/V: a long context's or many streams' K/V cost half the bytes a step,
     and prefill keeps fp32 within a chunk; docs/engine.md, "The CPU kernels"), else the engine's dtype.
     An explicit dtype must be the engine's, or float16 where auto would take it."""
-    half_ok = device.type == "cpu" and dtype == torch.float32 and cpu_avx2.loaded() is not None
+    half_ok = device.type == "cpu" and dtype == torch.float32 and cpu_fp32.loaded() is not None
     if name == "auto":
         return torch.float16 if half_ok else dtype
     if name not in _DTYPES:
@@ -230,11 +229,11 @@ class Engine(ChatText):
         dtype = pick_dtype(dense.get(config.weights, "auto") if config.dtype == "auto" else config.dtype, device)
         path = resolve_model_dir(config.model_path, config.cache_dir)
         if device.type == "cpu" and dtype == torch.bfloat16:
-            cpu_gemv.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
-            cpu_gemv.choose_q8(config.cache_dir)  # how its int8 product runs here
+            cpu_bf16.load(config.cache_dir)  # the decode GEMV kernel, built once into the cache dir
+            cpu_bf16.choose_q8(config.cache_dir)  # how its int8 product runs here
         elif device.type == "cpu" and config.weights in ("auto", "int8", "int4"):
-            # fp32 rows: the AVX2 int8 GEMV, RMSNorm, RoPE and decode attention (kernels/cpu_avx2.py)
-            cpu_avx2.load(config.cache_dir)
+            # fp32 rows: the AVX2 int8 GEMV, RMSNorm, RoPE and decode attention (kernels/cpu_fp32.py)
+            cpu_fp32.load(config.cache_dir)
         model = load_transformer(path, dtype, device)
         a = model.args
         shape = (2 * a.hidden_dim, a.dim)
@@ -253,7 +252,7 @@ class Engine(ChatText):
         model.set_rows_math(rows_math)
         model.set_q4_rows(resolve_q4_rows(config.q4_rows))  # int4 weights' many rows (a bad setting is refused)
         if device.type == "cpu" and dtype == torch.bfloat16 and a.sliding_window is None:
-            cpu_gemv.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)
+            cpu_bf16.choose_rows_route(config.cache_dir, a.n_heads, a.n_kv_heads, a.head_dim)
         model_id = DEFAULT_MODEL_ID if config.model_path is None else Path(path).name
         if (kv_mode := resolve_kv_mode(config.kv_mode, device.type)) != config.kv_mode:
             config = config.model_copy(update={"kv_mode": kv_mode})

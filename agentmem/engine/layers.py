@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cpu_bf16 as cpu_gemv
-from .kernels import cpu_fp32 as cpu_avx2
+from .kernels import cpu_bf16, cpu_fp32
 
 # RoPE types the engine computes; HF's others (yarn, longrope, ...) fail at load.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -34,18 +33,18 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one fused call: decode runs this 61 times per token
-        if (x.dim() == 2 and x.shape[0] <= cpu_avx2.MAX_ROWS and weight.dtype == torch.float32
-                and x.device.type == "cpu" and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
-            return cpu_avx2.rms_norm(lib, x, weight, eps)  # decode rows: one C call (F.rms_norm takes ~70 us)
+        if (x.dim() == 2 and x.shape[0] <= cpu_fp32.MAX_ROWS and weight.dtype == torch.float32
+                and x.device.type == "cpu" and not torch.compiler.is_compiling() and (lib := cpu_fp32.loaded())):
+            return cpu_fp32.rms_norm(lib, x, weight, eps)  # decode rows: one C call (F.rms_norm takes ~70 us)
         return F.rms_norm(x, weight.shape, weight, eps)
     if (x.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16
-            and x.device.type == "cpu" and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
+            and x.device.type == "cpu" and not torch.compiler.is_compiling() and (lib := cpu_bf16.loaded())):
         # one C call, any number of rows (it once took decode rows only: a 2,048-row
         # prefill's 61 norms cost 171 ms through torch, ~31 so). It rounds as the torch path
         # below, but sums the squares in another order: with activations in the thousands a few
         # elements of a 512-token forward land one bf16 step apart (perplexity 9.001 -> 9.025
         # on one chat text; `bench engine`'s bf16 8.475 -> 8.490), prefill now as decode rows were.
-        return cpu_gemv.rms_norm(lib, x, weight, eps)
+        return cpu_bf16.rms_norm(lib, x, weight, eps)
     # normalised in fp32 and cast back before the weight, as HF does
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
@@ -116,13 +115,13 @@ class Rotary:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., N, heads, hd] rotated by the tables of its N positions (`Rotary.cos_sin`)."""
-    if cpu_gemv.rope_usable(x, cos) and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded()):
+    if cpu_bf16.rope_usable(x, cos) and not torch.compiler.is_compiling() and (lib := cpu_bf16.loaded()):
         # bf16: one C call, bit-identical, any number of rows (its threads split them past 16). Session
         # 29 (Zen 4 VM, 2 threads), q and k of 2,048 prefill rows: 0.08 ms against torch's 11.2; 320 rows
         # (a blend's) 0.014 against 0.18. It used to take decode rows only.
-        return cpu_gemv.rope(lib, x, cos, sin)
-    if cpu_avx2.rope_usable(x, cos) and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded()):
-        return cpu_avx2.rope(lib, x, cos, sin)  # fp32 rows (AVX2): the same, one thread (2,048 rows 0.25 ms, torch 1.4)
+        return cpu_bf16.rope(lib, x, cos, sin)
+    if cpu_fp32.rope_usable(x, cos) and not torch.compiler.is_compiling() and (lib := cpu_fp32.loaded()):
+        return cpu_fp32.rope(lib, x, cos, sin)  # fp32 rows (AVX2): the same, one thread (2,048 rows 0.25 ms, torch 1.4)
     xf = x if x.dtype == torch.float32 else x.float()
     out = torch.addcmul(xf * cos[:, None, :], half_swapped(xf), sin[:, None, :])
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -6,26 +6,26 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
 - `fp32` / `bf16`: dense. On a CPU with native bf16 (AVX512-BF16/AMX) a bf16 weight is
   packed once into oneDNN's blocked layout: one decode row then runs 2-3x faster than
   `F.linear` on the plain weight (which repacks it at every call), and a 2k-row prefill is no
-  slower. Up to `cpu_gemv.MAX_ROWS` rows (decode) the product is the engine's own AVX512-BF16
-  kernel over its own packed copy instead (kernels/cpu_gemv.py; ~30% faster over a token,
+  slower. Up to `cpu_bf16.MAX_ROWS` rows (decode) the product is the engine's own AVX512-BF16
+  kernel over its own packed copy instead (kernels/cpu_bf16.py; ~30% faster over a token,
   and 8 rows cost little more than one). fp32
   keeps a transposed copy for few-row products (see `Proj`).
 - `int8`: weight-only int8, one scale per output channel (symmetric), activations in the
   engine dtype (`_weight_int8pack_mm`): half the bytes of bf16 per decode step. Up to
-  `cpu_gemv.MAX_ROWS` rows on AVX512-BF16, the engine's int8 kernel instead (the weights
+  `cpu_bf16.MAX_ROWS` rows on AVX512-BF16, the engine's int8 kernel instead (the weights
   widened to bf16 in registers, then as the bf16 kernel; a whole token 6.4 ms against 8.5
   for bf16 and 9.8 for `_weight_int8pack_mm` at one row, 9.1 / 10.7 / 26.4 at eight), and
   more rows (prefill) through a bf16 copy packed for oneDNN at the first such call: with the
   kernels int8 buys decode speed, not memory. (fbgemm's
   int8 x int8 product, which also quantizes each activation row, ran 2x faster per row but
   raised SmolLM2's perplexity by 15%: the activations have outlier channels.) On an AVX2-only
-  CPU (fp32 engine) up to `cpu_avx2.PRODUCT_MAX_ROWS` (48; any number on AVX512-VNNI) rows take
-  `kernels/cpu_avx2.py`'s product (the rows quantized to int16 with a scale each, `vpmaddwd`, or
+  CPU (fp32 engine) up to `cpu_fp32.PRODUCT_MAX_ROWS` (48; any number on AVX512-VNNI) rows take
+  `kernels/cpu_fp32.py`'s product (the rows quantized to int16 with a scale each, `vpmaddwd`, or
   `vpdpwssd` on a CPU with AVX512-VNNI but no AVX512-BF16), more rows a transposed fp32 copy of
   the dequantized weight: on a Zen 3 VM a token's products 9 ms against 48 for fp32 (`torch.mm`)
   and 114 for `_weight_int8pack_mm`.
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
-  minimum. On AVX512-VNNI (the u8 route's CPUs) in llama.cpp's Q4_1 form (`cpu_gemv.pack_q4`:
+  minimum. On AVX512-VNNI (the u8 route's CPUs) in llama.cpp's Q4_1 form (`cpu_bf16.pack_q4`:
   w = d q + m, d and m fp16, q in 0..15), multiplied by the `q4` kernel for few rows (the rows
   quantized to int8 as on the u8 route) and by a dequantized bf16 copy for many, like int8
   (`AGENTMEM_Q4_ROWS=kernel` takes the kernel for many rows too: faster, and fewer answers
@@ -36,7 +36,7 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   step: on a 2-core Zen 4 VM one stream 156-180 -> 207-238 tok/s, while eight streams, bound by
   `vpdpbusd` rather than memory, stay where int8's are (836-1,044 against 875-1,031 tok/s in two
   A/Bs; 2026-11-28). With fp32 rows (AVX2) the AVX2 library's q4 product (`vpmaddubsw`) takes
-  up to `cpu_avx2.Q4_MAX_ROWS` rows, an fp32 copy more. The LM head stays int8 under int4 (model.py). Elsewhere
+  up to `cpu_fp32.Q4_MAX_ROWS` rows, an fp32 copy more. The LM head stays int8 under int4 (model.py). Elsewhere
   `_weight_int4pack_mm_for_cpu` (groups with a scale and an offset: perplexity +3.8% over bf16
   when it was measured, docs/engine.md).
 
@@ -62,8 +62,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_bf16 as cpu_gemv
-from .kernels import cpu_fp32 as cpu_avx2
+from .kernels import cpu_bf16, cpu_fp32
 from .measured import cpu_flags, remembered, simd_flags
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -94,8 +93,8 @@ class Proj:
         self.bias = bias
         self.max_rows = transposed_max_rows
         self.w: torch.Tensor | None = None
-        self.w_gemv: torch.Tensor | None = None  # the GEMV kernel's layout (cpu_gemv.pack)
-        self.q8_route = "bf16"  # int8: how the GEMV multiplies this weight (cpu_gemv.q8_route when built)
+        self.w_gemv: torch.Tensor | None = None  # the GEMV kernel's layout (cpu_bf16.pack)
+        self.q8_route = "bf16"  # int8: how the GEMV multiplies this weight (cpu_bf16.q8_route when built)
         self._prefill_w: torch.Tensor | None = None  # int8 with the kernels: the bf16 weight for many rows
         self._rows_w_t: torch.Tensor | None = None  # int8 on the AVX2 route: the fp32 weight [in, out], many rows
         self.w_t: torch.Tensor | None = None
@@ -107,7 +106,7 @@ class Proj:
         self.rows_math = "bf16"
         # bf16 rows up to which int4 weights (the q4 route) multiply on the engine's own kernel,
         # past the decode rows (`resolve_q4_rows`; set for the whole model by Engine.load)
-        self.q4_rows = cpu_gemv.MAX_ROWS
+        self.q4_rows = cpu_bf16.MAX_ROWS
         self.w_plain: torch.Tensor | None = None  # the bf16 weight itself, for rows_math fp32
         cpu = w.device.type == "cpu"
         if self.fmt in ("int8", "int4") and not cpu:
@@ -116,29 +115,29 @@ class Proj:
             wf = w.float()
             self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
             self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-            if cpu_gemv.loaded() is not None and cpu_gemv.fits(w):  # few rows: the int8 kernel
+            if cpu_bf16.loaded() is not None and cpu_bf16.fits(w):  # few rows: the int8 kernel
                 # the route chosen for this machine, kept: the layout is built for it
-                self.q8_route = cpu_gemv.q8_route
-                if self.q8_route == "u8" and not cpu_gemv.fits_u8(w):
-                    self.q8_route = "i16" if cpu_gemv.vnni() else "bf16"
+                self.q8_route = cpu_bf16.q8_route
+                if self.q8_route == "u8" and not cpu_bf16.fits_u8(w):
+                    self.q8_route = "i16" if cpu_bf16.vnni() else "bf16"
                 u8 = self.q8_route == "u8"
-                self.w_gemv = cpu_gemv.pack_u8(self.packed) if u8 else cpu_gemv.pack(self.packed)
-            elif cpu_avx2.loaded() is not None and cpu_gemv.fits(w):  # AVX2 only: fp32 rows on int16
+                self.w_gemv = cpu_bf16.pack_u8(self.packed) if u8 else cpu_bf16.pack(self.packed)
+            elif cpu_fp32.loaded() is not None and cpu_bf16.fits(w):  # AVX2 only: fp32 rows on int16
                 self.q8_route = "avx2"
-                self.w_gemv = cpu_gemv.pack(self.packed)
+                self.w_gemv = cpu_bf16.pack(self.packed)
         elif self.fmt == "int4":
-            if cpu and cpu_gemv.fits_u8(w) and (q4_kernel(torch.bfloat16) or q4_kernel(torch.float32)):
+            if cpu and cpu_bf16.fits_u8(w) and (q4_kernel(torch.bfloat16) or q4_kernel(torch.float32)):
                 # few rows: a q4 kernel (bf16 rows on AVX512-VNNI, fp32 rows on AVX2); `scale`
                 # holds the groups' fp16 d and m
                 self.q8_route = "q4"
-                self.w_gemv, self.scale = cpu_gemv.pack_q4(w)
+                self.w_gemv, self.scale = cpu_bf16.pack_q4(w)
             else:
                 self.packed, self.scales_zeros = _int4_pack(w)
         elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
             self.w_plain = w  # the model keeps its dense weights: no copy
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
-            if cpu_gemv.loaded() is not None and cpu_gemv.usable(w):  # few rows: the GEMV kernel
-                self.w_gemv = cpu_gemv.pack(w)
+            if cpu_bf16.loaded() is not None and cpu_bf16.usable(w):  # few rows: the GEMV kernel
+                self.w_gemv = cpu_bf16.pack(w)
         else:
             self.w = w
             if cpu and transposed_max_rows > 0:
@@ -168,37 +167,37 @@ class Proj:
         if self.fmt == "int8":
             if self.q8_route == "avx2" and x.dtype == torch.float32:
                 return self._avx2(x)
-            if (self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and x.dtype == torch.bfloat16
-                    and (lib := cpu_gemv.loaded())):
-                return cpu_gemv.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, out_dtype,
+            if (self.w_gemv is not None and x.shape[0] <= cpu_bf16.MAX_ROWS and x.dtype == torch.bfloat16
+                    and (lib := cpu_bf16.loaded())):
+                return cpu_bf16.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, out_dtype,
                                           i16=self.q8_route == "i16")
             if self.w_gemv is not None and x.dtype == torch.bfloat16:
                 return self._many_rows(x, residual)
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.q8_route == "q4":
-            if x.shape[0] <= self.q4_rows and x.dtype == torch.bfloat16 and (lib := cpu_gemv.loaded()):
-                return cpu_gemv.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
+            if x.shape[0] <= self.q4_rows and x.dtype == torch.bfloat16 and (lib := cpu_bf16.loaded()):
+                return cpu_bf16.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
             if x.dtype == torch.bfloat16:
                 return self._many_rows(x, residual)
-            if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.Q4_MAX_ROWS
-                    and (lib := cpu_avx2.loaded())):
-                return cpu_avx2.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
+            if (x.dtype == torch.float32 and x.shape[0] <= cpu_fp32.Q4_MAX_ROWS
+                    and (lib := cpu_fp32.loaded())):
+                return cpu_fp32.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
             return self._fp32_rows(x)
         if self.fmt == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                              self.scales_zeros.to(x.dtype))
             return out if self.bias is None else out + self.bias
         if self.packed is not None:
-            if self.w_gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS and (lib := cpu_gemv.loaded()):
-                return cpu_gemv.gemv(lib, self.w_gemv, x, self.bias, out_dtype)
+            if self.w_gemv is not None and x.shape[0] <= cpu_bf16.MAX_ROWS and (lib := cpu_bf16.loaded()):
+                return cpu_bf16.gemv(lib, self.w_gemv, x, self.bias, out_dtype)
             if self.rows_math == "fp32" and self.w_plain is not None:
                 return _widened(x, self.w_plain, self.bias)
             return _onednn(x, self.packed, self.bias, residual)
-        if (x.dtype == torch.float32 and x.shape[0] <= cpu_avx2.F32_MAX_ROWS and self.w.device.type == "cpu"
-                and (lib := cpu_avx2.f32_kernel()) is not None
-                and (out := cpu_avx2.gemm_f32(lib, self.w, x, self.bias)) is not None):
-            return out  # a few fp32 rows on fp32 weights: decode, a blend's probe (cpu_avx2.F32_MAX_ROWS)
+        if (x.dtype == torch.float32 and x.shape[0] <= cpu_fp32.F32_MAX_ROWS and self.w.device.type == "cpu"
+                and (lib := cpu_fp32.f32_kernel()) is not None
+                and (out := cpu_fp32.gemm_f32(lib, self.w, x, self.bias)) is not None):
+            return out  # a few fp32 rows on fp32 weights: decode, a blend's probe (cpu_fp32.F32_MAX_ROWS)
         if self.w_t is not None and x.shape[0] <= self.max_rows:
             return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
         return F.linear(x, self.w, self.bias)
@@ -206,7 +205,7 @@ class Proj:
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [out, in] an int8 or int4 (q4 route) projection holds."""
         if self.q8_route == "q4":
-            return cpu_gemv.unpack_q4(self.w_gemv, self.scale)
+            return cpu_bf16.unpack_q4(self.w_gemv, self.scale)
         return self.packed.float() * self.scale[:, None]
 
     def plus(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -242,12 +241,12 @@ class Proj:
         return F.linear(x, self._prefill_w, self.bias)
 
     def _avx2(self, x: torch.Tensor) -> torch.Tensor:
-        """int8 on an AVX2-only CPU (fp32 rows): few rows through `cpu_avx2`'s kernel; more
+        """int8 on an AVX2-only CPU (fp32 rows): few rows through `cpu_fp32`'s kernel; more
         (prefill, a blend's recomputed rows) through an fp32 copy of the dequantized weight,
         stored transposed as the dense fp32 format keeps it and made at the first such call.
         As with the AVX-512 kernels, int8 buys decode speed here, not memory."""
-        if x.shape[0] <= cpu_avx2.PRODUCT_MAX_ROWS and (lib := cpu_avx2.loaded()):
-            return cpu_avx2.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
+        if x.shape[0] <= cpu_fp32.PRODUCT_MAX_ROWS and (lib := cpu_fp32.loaded()):
+            return cpu_fp32.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
         return self._fp32_rows(x)
 
     def _fp32_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -350,22 +349,22 @@ def resolve_weights(name: str, dtype: torch.dtype, dtype_explicit: bool, device:
 
 def q4_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether int4 weights multiply few rows of `dtype` on a q4 kernel here: bf16 rows on
-    AVX512-VNNI (cpu_gemv), fp32 rows on AVX2 (cpu_avx2)."""
+    AVX512-VNNI (cpu_bf16), fp32 rows on AVX2 (cpu_fp32)."""
     if dtype == torch.bfloat16:
-        return cpu_gemv.loaded() is not None and cpu_gemv.vnni()
-    return dtype == torch.float32 and cpu_avx2.loaded() is not None
+        return cpu_bf16.loaded() is not None and cpu_bf16.vnni()
+    return dtype == torch.float32 and cpu_fp32.loaded() is not None
 
 
 def is_four_bit(weights: list[torch.Tensor]) -> bool:
     """Whether these weights (the model's, in its dtype) are 4-bit groups already, as a Q4_1
-    GGUF's are: the q4 layout (`cpu_gemv.pack_q4`) gives every one back exactly once rounded to
+    GGUF's are: the q4 layout (`cpu_bf16.pack_q4`) gives every one back exactly once rounded to
     its dtype, where any other weight moves by up to half a group step. (A bf16 copy of a Q4_1
     file's weights passes: llama.cpp took each group's minimum and maximum from the original bf16
     weights, so in bf16 they are those weights again, and d and m come back from them.)"""
     for w in weights:
-        if not cpu_gemv.fits_u8(w):
+        if not cpu_bf16.fits_u8(w):
             return False
-        if not torch.equal(cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(w)).to(w.dtype), w):
+        if not torch.equal(cpu_bf16.unpack_q4(*cpu_bf16.pack_q4(w)).to(w.dtype), w):
             return False
     return True
 
@@ -384,8 +383,8 @@ def pick_weights(record: dict, own: str, four_bit: Callable[[], bool]) -> str:
 def kernels_tag() -> str:
     """Which CPU kernels this process runs (the AVX-512 library, the AVX2 one or none), by their
     source's hash: part of every key a measurement of them is remembered under."""
-    return (cpu_gemv.tag() if cpu_gemv.loaded() is not None
-            else cpu_avx2.tag() if cpu_avx2.loaded() is not None else "no kernels")
+    return (cpu_bf16.tag() if cpu_bf16.loaded() is not None
+            else cpu_fp32.tag() if cpu_fp32.loaded() is not None else "no kernels")
 
 
 def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = "bf16",
@@ -406,12 +405,12 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     # the dense format's, so timing both would only compare noise: on a noisy 2-core VM, 32
     # against 40 ms once chose fp32 at 2.1x slower decode (Zen 3 VM, 2026-11-26), and 7.7 against
     # 6.5 ms chose bf16 at 0.56x int8's decode on a Zen 4 VM (2026-11-27)
-    same_rows = cpu_gemv.fits_shape(shape) and ((own == "fp32" and cpu_avx2.loaded() is not None)
-                                                or (own == "bf16" and cpu_gemv.loaded() is not None))
+    same_rows = cpu_bf16.fits_shape(shape) and ((own == "fp32" and cpu_fp32.loaded() is not None)
+                                                or (own == "bf16" and cpu_bf16.loaded() is not None))
     if same_rows:
         key += f"|int8 rows on {'an' if own == 'fp32' else 'a'} {own} copy"
 
-    q4 = q4_kernel(_DENSE[own]) and cpu_gemv.fits_shape(shape) and shape[1] % cpu_gemv.U8_BLOCK == 0
+    q4 = q4_kernel(_DENSE[own]) and cpu_bf16.fits_shape(shape) and shape[1] % cpu_bf16.U8_BLOCK == 0
     if q4:  # int4 is timed too (taken only for a model whose weights are 4-bit: `pick_weights`)
         key += "|int4 on q4"
 
@@ -477,7 +476,7 @@ Q4_ROWS_ALL = 1 << 30  # "kernel": any number of rows
 def resolve_q4_rows(name: str) -> int:
     """Up to how many bf16 rows int4 weights multiply on the engine's own 4-bit kernel
     (`Proj.q4_rows`), for `AGENTMEM_Q4_ROWS=name`: dense (the default: the decode rows only,
-    `cpu_gemv.MAX_ROWS`; more, as a prefill's, multiply a bf16 copy of the weights on oneDNN) or
+    `cpu_bf16.MAX_ROWS`; more, as a prefill's, multiply a bf16 copy of the weights on oneDNN) or
     kernel (any number: the rows quantized to int8 per 64 inputs, as decode's are).
 
     The kernel is the faster way on the Zen 4 VM at every size (2026-11-29, one layer's four
@@ -488,7 +487,7 @@ def resolve_q4_rows(name: str) -> int:
     token's perplexity does not show. So it is not the default, and not chosen by timing."""
     if name not in Q4_ROWS:
         raise ValueError(f"q4_rows must be one of {', '.join(Q4_ROWS)}, got {name!r}")
-    return Q4_ROWS_ALL if name == "kernel" else cpu_gemv.MAX_ROWS
+    return Q4_ROWS_ALL if name == "kernel" else cpu_bf16.MAX_ROWS
 
 
 def _with_rows_math(fmt: str, shape: tuple[int, int], rows_math: str) -> Proj:

@@ -12,9 +12,7 @@ import torch
 from .block_manager import BlockManager
 from .compiled import CompiledDecode, paged_attention
 from .cuda_graph import GraphDecode
-from .kernels import cpu_bf16 as cpu_gemv
-from .kernels import cpu_fp32 as cpu_avx2
-from .kernels import paged_decode_attention
+from .kernels import cpu_bf16, cpu_fp32, paged_decode_attention
 from .kernels.reference import sdpa
 from .kv_pool import KVPool, slot_runs
 from .layers import visible
@@ -22,8 +20,8 @@ from .model import Transformer
 from .scheduler import Scheduled
 from .sequence import Sequence
 
-# Keys up to which a prompt chunk of fp32 rows takes the AVX-512 build of cpu_avx2's rows kernel
-# rather than torch's SDPA (the AVX2 build's own bound, `cpu_avx2.AVX2_ROWS_MAX_KEYS`, is in
+# Keys up to which a prompt chunk of fp32 rows takes the AVX-512 build of cpu_fp32's rows kernel
+# rather than torch's SDPA (the AVX2 build's own bound, `cpu_fp32.AVX2_ROWS_MAX_KEYS`, is in
 # `rows_kernel`, for a blend's rows too). Skylake-SP VM, 2026-11-28, 512-row chunks of a 2,048-token
 # prompt, ms a layer, SDPA against the kernel, alternated: keys 512 5.7 / 3.6, 1,024 14.1 / 13.0,
 # 1,536 20.9 / 17.9, 2,048 28.5 / 29.9 (SDPA's flash kernel on a dense causal chunk catches up); a
@@ -38,13 +36,13 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     """Causal attention of a prompt chunk at positions start.. over keys 0..start+n-1 (only
     the last `window` of them, with a sliding window). q [n,H,hd], k/v [start+n,KV,hd] -> [n,H,hd]."""
     n = q.shape[0]
-    if window is None and (out := cpu_gemv.rows_attend(q, k, v, torch.arange(start, start + n))) is not None:
+    if window is None and (out := cpu_bf16.rows_attend(q, k, v, torch.arange(start, start + n))) is not None:
         return out
-    if window is None and (lib := cpu_avx2.rows_kernel(q, k)) is not None \
-            and (cpu_avx2.rows_build() == "avx2" or start + n <= FP32_ROWS_KERNEL_MAX_KEYS) \
-            and (out := cpu_avx2.rows_attention(lib, q, k, v, torch.arange(start, start + n))) is not None:
+    if window is None and (lib := cpu_fp32.rows_kernel(q, k)) is not None \
+            and (cpu_fp32.rows_build() == "avx2" or start + n <= FP32_ROWS_KERNEL_MAX_KEYS) \
+            and (out := cpu_fp32.rows_attention(lib, q, k, v, torch.arange(start, start + n))) is not None:
         return out  # fp32 rows (a CPU without bf16)
-    if cpu_gemv.widen_rows(q, k):  # this machine runs fp32 SDPA faster than its bf16 ways
+    if cpu_bf16.widen_rows(q, k):  # this machine runs fp32 SDPA faster than its bf16 ways
         return sdpa_chunk(q.float(), k.float(), v.float(), start, window).to(q.dtype)
     return sdpa_chunk(q, k, v, start, window)
 
@@ -111,7 +109,7 @@ class ModelRunner:
             mask = on_device(torch.from_numpy(seen))[:, None, None, :]
 
         a = self.model.args
-        for kernels in (cpu_gemv, cpu_avx2):  # bf16 rows (AVX512-BF16), fp32 rows (AVX2)
+        for kernels in (cpu_bf16, cpu_fp32):  # bf16 rows (AVX512-BF16), fp32 rows (AVX2)
             if (lib := kernels.loaded()) is not None and kernels.attention_usable(
                     pool.k.dtype, self.device, a.n_heads, a.n_kv_heads, a.head_dim):
                 # the CPU kernel, called directly: its inputs are made once a step, not per layer
@@ -122,7 +120,7 @@ class ModelRunner:
                     return kernels.decode_attention(lib, q, pool.k[i], pool.v[i], idx_t, keep)
 
                 # a layer of decode rows may run whole in C (Block.forward: `layer_q8u8` on bf16 rows,
-                # `cpu_avx2.layer_q8` on fp32 ones)
+                # `cpu_fp32.layer_q8` on fp32 ones)
                 kernel_attn.paged = (idx_t, keep)
                 return kernel_attn
 

@@ -45,9 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.kernels import cpu_bf16 as cpu_gemv
-from ..engine.kernels import cpu_fp32 as cpu_avx2
-from ..engine.kernels import rope, selected_attention
+from ..engine.kernels import cpu_bf16, cpu_fp32, rope, selected_attention
 from ..engine.kernels.reference import sdpa
 from ..engine.layers import half_swapped, visible
 from ..engine.model import Transformer
@@ -129,7 +127,7 @@ def place_k(model: Transformer, k: torch.Tensor, positions: torch.Tensor, out: t
         x = x.view(n, layers, kv_heads, hd).transpose(0, 1)
     else:
         cos, sin = model.rotary.cos_sin(positions)
-        for kernels in (cpu_gemv, cpu_avx2):  # bf16 (AVX512-BF16) or fp32 (AVX2) rows
+        for kernels in (cpu_bf16, cpu_fp32):  # bf16 (AVX512-BF16) or fp32 (AVX2) rows
             lib = kernels.loaded()
             if (lib is not None and out is not None and out.dtype == k.dtype and layers
                     and kernels.rope_usable(k[0], cos) and all(out[i].is_contiguous() for i in range(layers))):
@@ -201,7 +199,7 @@ class RowAttention:
     late) this takes ~20% less time than the per-head layout with a mask built per call.
     On CUDA the Triton kernel skips masked keys itself (a sliding-window model takes SDPA
     with the window's mask there). In bf16 on an AVX512-BF16 CPU, the engine's own kernel
-    (`cpu_gemv.rows_attention`) takes the rows: scores and P V on vdpbf16ps, masked keys
+    (`cpu_bf16.rows_attention`) takes the rows: scores and P V on vdpbf16ps, masked keys
     skipped per block of 8 rows; on the blend benchmark's shapes ~3x faster than SDPA."""
 
     def __init__(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype, blocks: int = 4,
@@ -211,11 +209,11 @@ class RowAttention:
         self.k_pos = torch.arange(n_keys, device=q_pos.device)
         self.window = window
         self.parts: list[tuple[int, int, int, torch.Tensor]] = []
-        # cpu_gemv.rows_attention, where it takes the rows' tensors (bf16 on an AVX512-BF16 CPU)
+        # cpu_bf16.rows_attention, where it takes the rows' tensors (bf16 on an AVX512-BF16 CPU)
         self.kernel = dtype == torch.bfloat16 and window is None and not q_pos.is_cuda
         self.widen = False
         # the grouped SDPA blocks (`parts`) are planned at the first CPU call no kernel takes
-        # (fp32 rows on cpu_avx2's kernel never need them), once
+        # (fp32 rows on cpu_fp32's kernel never need them), once
 
     def _plan(self, group: int, dtype: torch.dtype) -> None:
         """The CPU row blocks and their masks (the grouped SDPA path)."""
@@ -229,17 +227,17 @@ class RowAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [Nq,H,hd] at the rows, k/v [n_keys,KV,hd] -> [Nq,H,hd]."""
-        if self.kernel and (out := cpu_gemv.rows_attend(q, k, v, self.q_pos)) is not None:
+        if self.kernel and (out := cpu_bf16.rows_attend(q, k, v, self.q_pos)) is not None:
             return out
-        # fp32 rows on a CPU without bf16, cpu_avx2's kernel (Skylake-SP VM, AVX-512, 2026-11-28:
+        # fp32 rows on a CPU without bf16, cpu_fp32's kernel (Skylake-SP VM, AVX-512, 2026-11-28:
         # ~320 late rows over 2k keys 17.2 -> 12.3 ms a layer against this grouped SDPA; Zen 3 VM,
         # AVX2, 2026-11-29: ~310 rows over 2k keys 10.2 -> 7.7 ms)
-        if self.window is None and (lib := cpu_avx2.rows_kernel(q, k)) is not None and \
-                (out := cpu_avx2.rows_attention(lib, q, k, v, self.q_pos)) is not None:
+        if self.window is None and (lib := cpu_fp32.rows_kernel(q, k)) is not None and \
+                (out := cpu_fp32.rows_attention(lib, q, k, v, self.q_pos)) is not None:
             return out
         if self.kernel:  # the kernel does not take these tensors after all: the grouped SDPA path
             self.kernel = False
-            self.widen = cpu_gemv.widen_rows(q, k)  # in fp32 where this machine runs that faster
+            self.widen = cpu_bf16.widen_rows(q, k)  # in fp32 where this machine runs that faster
             self._plan(q.shape[1] // k.shape[1], torch.float32 if self.widen else q.dtype)
         elif not self.parts and not q.is_cuda:
             self._plan(q.shape[1] // k.shape[1], q.dtype)
@@ -325,14 +323,14 @@ def _probe(model: Transformer, h: torch.Tensor, rows: torch.Tensor, k_all: torch
             k_l, v_l = k_all[idx], v_all[idx]
             k_l.index_copy_(0, rows, k_rot)
             v_l.index_copy_(0, rows, v)
-            if window is None and (out := cpu_gemv.rows_attend(q, k_l, v_l, rows, share=share)) is not None:
+            if window is None and (out := cpu_bf16.rows_attend(q, k_l, v_l, rows, share=share)) is not None:
                 # bf16 on an AVX512-BF16 CPU: the rows' attention and each key's share in one C
                 # call, no weights materialised (6.2 -> 0.9 ms a layer for 40 rows over 2k keys
                 # on a Zen 4 VM, 2026-11-26), on AMX tiles where that is the machine's route
                 return out
-            if window is None and (lib := cpu_avx2.rows_kernel(q, k_l)) is not None and \
-                    (out := cpu_avx2.rows_attention(lib, q, k_l, v_l, rows, share=share)) is not None:
-                # fp32 on cpu_avx2's AVX2 build, likewise (Zen 3 VM, 2026-11-29: the probe's
+            if window is None and (lib := cpu_fp32.rows_kernel(q, k_l)) is not None and \
+                    (out := cpu_fp32.rows_attention(lib, q, k_l, v_l, rows, share=share)) is not None:
+                # fp32 on cpu_fp32's AVX2 build, likewise (Zen 3 VM, 2026-11-29: the probe's
                 # attention 45 -> ~10 ms of a 2k-token blend)
                 return out
             if bias is None:
@@ -452,7 +450,7 @@ class _Drift:
         # the engine's C kernel where it takes the layers' K (bf16 on an AVX512-BF16 CPU): one
         # call a layer, reading the tables by position (Zen 4 VM, 2026-11-26: the drift part
         # of `bench blend` 0.030 -> 0.014 s)
-        self.lib = cpu_gemv.loaded() if model.embed_tokens.weight.device.type == "cpu" else None
+        self.lib = cpu_bf16.loaded() if model.embed_tokens.weight.device.type == "cpu" else None
 
     def apply(self, idx: int, k_raw: torch.Tensor, v: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor) -> None:
         """Layer `idx`: given the rows' fresh K before RoPE and V, shift k_l / v_l in place by
@@ -466,8 +464,8 @@ class _Drift:
         dv = torch.zeros(shape, device=v.device).index_add_(0, self.group, (v[r] - self.v[idx]).float())
         dk *= self.inv_count
         dv *= self.inv_count
-        if self.lib is not None and cpu_gemv.drift_usable(k_l):
-            cpu_gemv.drift(self.lib, k_l, v_l, self.span_t, dk, dv, *self.tables)
+        if self.lib is not None and cpu_bf16.drift_usable(k_l):
+            cpu_bf16.drift(self.lib, k_l, v_l, self.span_t, dk, dv, *self.tables)
             return
         swapped = half_swapped(dk)
         cos, sin = self.tables

@@ -1,4 +1,4 @@
-"""kernels/cpu_gemv.py: the AVX512-BF16 few-row product against torch, and Proj's use of it."""
+"""kernels/cpu_bf16.py: the AVX512-BF16 few-row product against torch, and Proj's use of it."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import pytest
 import torch
 from _paged import paged_rows
 
-from agentmem.engine.kernels import cpu_bf16 as cpu_gemv
-from agentmem.engine.kernels import cpu_fp32 as cpu_avx2
+from agentmem.engine.kernels import cpu_bf16, cpu_fp32
 from agentmem.engine.linear import Proj, onednn_bf16
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    lib = cpu_gemv.load(tmp_path_factory.mktemp("cache"))
+    lib = cpu_bf16.load(tmp_path_factory.mktemp("cache"))
     if lib is None:
-        pytest.skip(f"no bf16 GEMV kernel here: {cpu_gemv.why_not}")
+        pytest.skip(f"no bf16 GEMV kernel here: {cpu_bf16.why_not}")
     return lib
 
 
@@ -28,11 +27,11 @@ def test_gemv_matches_torch(lib, rows, out, inp):
     x = torch.randn(rows, inp, generator=g).bfloat16()
     b = torch.randn(out, generator=g).bfloat16()
     ref = x.float() @ w.float().t() + b.float()
-    wp = cpu_gemv.pack(w)
-    y32 = cpu_gemv.gemv(lib, wp, x, b, torch.float32)
+    wp = cpu_bf16.pack(w)
+    y32 = cpu_bf16.gemv(lib, wp, x, b, torch.float32)
     assert y32.shape == (rows, out) and y32.dtype == torch.float32
     assert (y32 - ref).abs().max() < 1e-4 * ref.abs().max()  # fp32 sums of exact bf16 products
-    y16 = cpu_gemv.gemv(lib, wp, x, b)
+    y16 = cpu_bf16.gemv(lib, wp, x, b)
     assert y16.dtype == torch.bfloat16
     assert torch.equal(y16, y32.to(torch.bfloat16))  # rounded to nearest even, as torch rounds
 
@@ -40,24 +39,24 @@ def test_gemv_matches_torch(lib, rows, out, inp):
 def test_gemv_reads_strided_rows(lib):
     w = torch.randn(64, 96).bfloat16()
     x = torch.randn(2, 192).bfloat16()[:, :96]  # rows 192 apart
-    assert torch.allclose(cpu_gemv.gemv(lib, cpu_gemv.pack(w), x, out_dtype=torch.float32), x.float() @ w.float().t(),
+    assert torch.allclose(cpu_bf16.gemv(lib, cpu_bf16.pack(w), x, out_dtype=torch.float32), x.float() @ w.float().t(),
                           atol=1e-3)
 
 
 def test_gemv_takes_only_what_its_layout_holds(lib):
-    assert cpu_gemv.usable(torch.zeros(64, 96).bfloat16())
-    assert not cpu_gemv.usable(torch.zeros(963, 576).bfloat16())  # out not a multiple of 32
-    assert not cpu_gemv.usable(torch.zeros(64, 95).bfloat16())  # an odd number of inputs
-    assert not cpu_gemv.usable(torch.zeros(64, 96))  # fp32
+    assert cpu_bf16.usable(torch.zeros(64, 96).bfloat16())
+    assert not cpu_bf16.usable(torch.zeros(963, 576).bfloat16())  # out not a multiple of 32
+    assert not cpu_bf16.usable(torch.zeros(64, 95).bfloat16())  # an odd number of inputs
+    assert not cpu_bf16.usable(torch.zeros(64, 96))  # fp32
     with pytest.raises(ValueError, match="inputs"):
-        cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 64).bfloat16())
+        cpu_bf16.gemv(lib, cpu_bf16.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 64).bfloat16())
     with pytest.raises(ValueError, match="bf16"):  # x of another dtype would be read as bf16
-        cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 96))
-    q = cpu_gemv.pack(torch.zeros(64, 96, dtype=torch.int8))
+        cpu_bf16.gemv(lib, cpu_bf16.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 96))
+    q = cpu_bf16.pack(torch.zeros(64, 96, dtype=torch.int8))
     with pytest.raises(ValueError, match="needs a scale"):
-        cpu_gemv.gemv(lib, q, torch.zeros(1, 96).bfloat16())
+        cpu_bf16.gemv(lib, q, torch.zeros(1, 96).bfloat16())
     with pytest.raises(ValueError, match="takes no scale"):
-        cpu_gemv.gemv(lib, cpu_gemv.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 96).bfloat16(),
+        cpu_bf16.gemv(lib, cpu_bf16.pack(torch.zeros(64, 96).bfloat16()), torch.zeros(1, 96).bfloat16(),
                       scale=torch.ones(64))
 
 
@@ -67,12 +66,12 @@ def test_proj_uses_the_kernel_for_few_rows_only(lib, monkeypatch):
     w = torch.randn(256, 128).bfloat16()
     p = Proj(w)
     calls = []
-    real = cpu_gemv.gemv
-    monkeypatch.setattr(cpu_gemv, "gemv", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
-    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 64):
+    real = cpu_bf16.gemv
+    monkeypatch.setattr(cpu_bf16, "gemv", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    for rows in (1, cpu_bf16.MAX_ROWS, cpu_bf16.MAX_ROWS + 1, 64):
         x = torch.randn(rows, 128).bfloat16()
         assert torch.allclose(p(x).float(), x.float() @ w.float().t(), atol=0.1, rtol=0.02)
-    assert calls == [1, cpu_gemv.MAX_ROWS]
+    assert calls == [1, cpu_bf16.MAX_ROWS]
 
 
 # the last three: a row's keys in several chunks, the first ones wholly outside the window
@@ -89,7 +88,7 @@ def test_decode_attention_matches_the_softmax_over_the_visible_keys(lib, rows, h
     lo = torch.randint(0, max(1, width // 3), (rows,), generator=g)  # a sliding window's start
     hi = torch.randint(width // 2 + 1, width + 1, (rows,), generator=g)
     keep = (torch.arange(width)[None] >= lo[:, None]) & (torch.arange(width)[None] < hi[:, None])
-    out = cpu_gemv.decode_attention(lib, q, k_pool, v_pool, idx.view(-1), keep[:, None, None, :])
+    out = cpu_bf16.decode_attention(lib, q, k_pool, v_pool, idx.view(-1), keep[:, None, None, :])
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     k = k_pool.view(-1, kv, hd)[idx].float().repeat_interleave(heads // kv, dim=2)  # [rows, width, heads, hd]
     v = v_pool.view(-1, kv, hd)[idx].float().repeat_interleave(heads // kv, dim=2)
@@ -107,7 +106,7 @@ def test_decode_attention_rejects_a_slot_count_that_does_not_match(lib):
     q = torch.zeros(2, 3, 32).bfloat16()
     pool = torch.zeros(4, 16, 1, 32).bfloat16()
     with pytest.raises(ValueError, match="slots"):
-        cpu_gemv.decode_attention(lib, q, pool, pool, torch.zeros(7, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
+        cpu_bf16.decode_attention(lib, q, pool, pool, torch.zeros(7, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (5, 64, 34), (8, 576, 1536), (11, 32, 64)])
@@ -119,11 +118,11 @@ def test_int8_gemv_matches_the_dequantized_product(lib, rows, out, inp):
     x = torch.randn(rows, inp, generator=g).bfloat16()
     b = torch.randn(out, generator=g)
     ref = x.float() @ (q.float() * scale[:, None]).t() + b
-    y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x, b, torch.float32)
+    y = cpu_bf16.gemv_int8(lib, cpu_bf16.pack(q), scale, x, b, torch.float32)
     assert y.shape == (rows, out)
     assert (y - ref).abs().max() < 1e-4 * ref.abs().max()  # int8 values are exact in bf16
     with pytest.raises(ValueError, match="bf16"):
-        cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x.float())
+        cpu_bf16.gemv_int8(lib, cpu_bf16.pack(q), scale, x.float())
 
 
 def _int8_case(rows: int, out: int, inp: int):
@@ -140,7 +139,7 @@ def _int8_case(rows: int, out: int, inp: int):
     return q, scale, x, b, deq, x.float() @ deq.t() + b
 
 
-needs_vnni = pytest.mark.skipif(not cpu_gemv.vnni(), reason="needs AVX512-VNNI")
+needs_vnni = pytest.mark.skipif(not cpu_bf16.vnni(), reason="needs AVX512-VNNI")
 
 
 @needs_vnni
@@ -150,14 +149,14 @@ def test_int8_gemv_on_int16_rows_stays_within_their_quantization(lib, rows, out,
     that rounding of the exact product, and the int32 sums do not overflow past one chunk (4,100
     inputs of the largest values against the largest weights)."""
     q, scale, x, b, deq, ref = _int8_case(rows, out, inp)
-    y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(q), scale, x, b, torch.float32, i16=True)
+    y = cpu_bf16.gemv_int8(lib, cpu_bf16.pack(q), scale, x, b, torch.float32, i16=True)
     step = x.float().abs().amax(1, keepdim=True) / 8191  # per row: the rounding of each input
     bound = 0.5 * step * deq.abs().sum(1)[None, :]  # the worst case of that rounding
     assert ((y - ref).abs() <= bound + 1e-4 * ref.abs().max()).all()
     if inp == 4100:  # every product at its largest: 127 * 8191 * 4100 overflows int32 in one sum
         big = torch.full((1, inp), 3.0).bfloat16()
         ones = torch.full((out, inp), 127, dtype=torch.int8)
-        y = cpu_gemv.gemv_int8(lib, cpu_gemv.pack(ones), torch.ones(out), big, None, torch.float32, i16=True)
+        y = cpu_bf16.gemv_int8(lib, cpu_bf16.pack(ones), torch.ones(out), big, None, torch.float32, i16=True)
         assert torch.allclose(y, torch.full_like(y, 3.0 * 127 * inp), rtol=1e-4)
 
 
@@ -168,33 +167,33 @@ def test_int8_gemv_on_int16_rows_stays_within_their_quantization(lib, rows, out,
     ({"bf16": 100.0, "i16": 200.0}, "bf16"),
 ])
 def test_the_int8_route_favours_u8_which_has_the_fused_layer(times, route):
-    assert cpu_gemv.pick_q8(times) == route
+    assert cpu_bf16.pick_q8(times) == route
 
 
 @needs_vnni
 def test_the_int8_route_is_measured_once_and_can_be_set(lib, tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_gemv, "q8_route", "bf16")
+    monkeypatch.setattr(cpu_bf16, "q8_route", "bf16")
     monkeypatch.setenv("AGENTMEM_GEMV_Q8", "i16")
-    assert cpu_gemv.choose_q8(tmp_path) == "i16" == cpu_gemv.q8_route
+    assert cpu_bf16.choose_q8(tmp_path) == "i16" == cpu_bf16.q8_route
     assert not (tmp_path / "gemv-choice.json").exists()  # set, not measured
     monkeypatch.setenv("AGENTMEM_GEMV_Q8", "int4")
     with pytest.raises(ValueError, match="AGENTMEM_GEMV_Q8"):
-        cpu_gemv.choose_q8(tmp_path)
+        cpu_bf16.choose_q8(tmp_path)
     monkeypatch.setenv("AGENTMEM_GEMV_Q8", "auto")
-    route = cpu_gemv.choose_q8(tmp_path)
+    route = cpu_bf16.choose_q8(tmp_path)
     saved = json.loads((tmp_path / "gemv-choice.json").read_text())
     (entry,) = saved.values()
     us = entry["us"]
     fastest = min(us, key=us.get)
-    assert route == entry["route"] == cpu_gemv.q8_route
-    assert route == cpu_gemv.pick_q8(us) and (route == fastest or route == "u8")
+    assert route == entry["route"] == cpu_bf16.q8_route
+    assert route == cpu_bf16.pick_q8(us) and (route == fastest or route == "u8")
     entry["route"] = "bf16" if route == "i16" else "i16"
     (tmp_path / "gemv-choice.json").write_text(json.dumps(saved))
-    assert cpu_gemv.choose_q8(tmp_path) == entry["route"]  # remembered, not timed again
+    assert cpu_bf16.choose_q8(tmp_path) == entry["route"]  # remembered, not timed again
     w, x = torch.randn(64, 128).bfloat16(), torch.randn(3, 128).bfloat16()
     routes = {}
-    for r in cpu_gemv.Q8_ROUTES:  # a projection takes the layout of the route it was built under
-        monkeypatch.setattr(cpu_gemv, "q8_route", r)
+    for r in cpu_bf16.Q8_ROUTES:  # a projection takes the layout of the route it was built under
+        monkeypatch.setattr(cpu_bf16, "q8_route", r)
         p = Proj(w, fmt="int8")
         assert p.w_gemv.dtype == (torch.uint8 if r == "u8" else torch.int8)
         routes[r] = p(x).float()
@@ -210,41 +209,41 @@ def test_int8_gemv_on_int8_rows_stays_within_their_quantization(lib, rows, out, 
     row's result does not depend on the rows batched with it (the same tokens alone or in a
     batch)."""
     q, scale, x, b, deq, ref = _int8_case(rows, out, inp)
-    wu = cpu_gemv.pack_u8(q)
-    y = cpu_gemv.gemv_int8(lib, wu, scale, x, b, torch.float32)
-    blocks = x.float().reshape(rows, -1, cpu_gemv.U8_BLOCK)
+    wu = cpu_bf16.pack_u8(q)
+    y = cpu_bf16.gemv_int8(lib, wu, scale, x, b, torch.float32)
+    blocks = x.float().reshape(rows, -1, cpu_bf16.U8_BLOCK)
     step = (blocks.abs().amax(-1, keepdim=True) / 127).expand_as(blocks).reshape(rows, inp)  # per input
     bound = 0.5 * step @ deq.abs().t()  # the worst case of that rounding
     assert ((y - ref).abs() <= bound + 1e-4 * ref.abs().max()).all()
     # the outlier's block only: one scale for the whole row would round every input of row 0 that coarsely
     assert (y[0] - ref[0]).abs().mean() < 0.5 * (0.5 * 40.0 / 127 * deq.abs().sum(1)).mean()
-    alone = torch.cat([cpu_gemv.gemv_int8(lib, wu, scale, x[i:i + 1], b, torch.float32) for i in range(rows)])
+    alone = torch.cat([cpu_bf16.gemv_int8(lib, wu, scale, x[i:i + 1], b, torch.float32) for i in range(rows)])
     assert torch.equal(alone, y)
     with pytest.raises(ValueError):  # inputs not a multiple of the block
-        cpu_gemv.gemv_int8(lib, cpu_gemv.pack_u8(q[:, :inp - 32]), scale, x[:, :inp - 32])
+        cpu_bf16.gemv_int8(lib, cpu_bf16.pack_u8(q[:, :inp - 32]), scale, x[:, :inp - 32])
 
 
 def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     w = torch.randn(256, 128).bfloat16()
     p = Proj(w, fmt="int8")
     calls = []
-    real = cpu_gemv.gemv_int8
-    monkeypatch.setattr(cpu_gemv, "gemv_int8", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
+    real = cpu_bf16.gemv_int8
+    monkeypatch.setattr(cpu_bf16, "gemv_int8", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
     dequantized = p.packed.float() * p.scale[:, None]
-    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):  # the last dequantized to bf16 for the call
+    for rows in (1, cpu_bf16.MAX_ROWS, cpu_bf16.MAX_ROWS + 1):  # the last dequantized to bf16 for the call
         x = torch.randn(rows, 128).bfloat16()
         ref = x.float() @ dequantized.t()
         assert (p(x).float() - ref).abs().max() < 0.02 * ref.abs().max()  # the bf16 output's rounding
-    assert calls == [1, cpu_gemv.MAX_ROWS]
+    assert calls == [1, cpu_bf16.MAX_ROWS]
 
 
 def _q4_weight(out: int, inp: int, seed: int) -> torch.Tensor:
     """A weight already in 4-bit groups (d * q + m, d and m fp16), as a Q4_1 GGUF holds them."""
     g = torch.Generator().manual_seed(seed)
-    groups = inp // cpu_gemv.Q4_GROUP
+    groups = inp // cpu_bf16.Q4_GROUP
     d = (torch.rand(out, groups, 1, generator=g) * 0.02 + 1e-3).half().float()
     m = (-8 * d[..., 0] + torch.randn(out, groups, generator=g) * 0.01).half().float()[..., None]
-    q = torch.randint(0, 16, (out, groups, cpu_gemv.Q4_GROUP), generator=g).float()
+    q = torch.randint(0, 16, (out, groups, cpu_bf16.Q4_GROUP), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as llama.cpp's Q4_1 sets d and m
     return (q * d + m).view(out, inp)
 
@@ -254,15 +253,15 @@ def test_q4_layout_holds_a_4bit_weight_exactly():
     GGUF's projections exact under AGENTMEM_WEIGHTS=int4); any other weight is rounded to its
     groups' 16 levels."""
     w = _q4_weight(96, 256, 0)
-    packed, dm = cpu_gemv.pack_q4(w)
+    packed, dm = cpu_bf16.pack_q4(w)
     assert packed.shape == (6, 32, 16, 4) and packed.dtype == torch.uint8 and dm.shape == (6, 8, 2, 16)
-    assert torch.equal(cpu_gemv.unpack_q4(packed, dm), w)
+    assert torch.equal(cpu_bf16.unpack_q4(packed, dm), w)
     dense = torch.randn(64, 128)
-    back = cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(dense))
+    back = cpu_bf16.unpack_q4(*cpu_bf16.pack_q4(dense))
     step = (dense.view(64, 4, 32).amax(-1) - dense.view(64, 4, 32).amin(-1)) / 15
     assert ((back - dense).abs().view(64, 4, 32) <= 0.51 * step[..., None] + 1e-3).all()
     flat = torch.full((32, 64), 0.25)  # a constant group: d = 0, every value its minimum
-    assert torch.equal(cpu_gemv.unpack_q4(*cpu_gemv.pack_q4(flat)), flat)
+    assert torch.equal(cpu_bf16.unpack_q4(*cpu_bf16.pack_q4(flat)), flat)
 
 
 @needs_vnni
@@ -273,24 +272,24 @@ def test_q4_gemv_is_the_groups_sums_of_the_quantized_rows(lib, rows, out, inp):
     U8_BLOCK inputs), sum over groups of d * (q . x) + m * sum(x): checked against that sum in
     float64; a row's result does not depend on the rows batched with it; bias and bf16 output."""
     w = _q4_weight(out, inp, rows)
-    packed, dm = cpu_gemv.pack_q4(w)
+    packed, dm = cpu_bf16.pack_q4(w)
     g = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, inp, generator=g).bfloat16()
     x[0, 3] = 40.0  # an outlier channel
     b = torch.randn(out, generator=g)
-    y = cpu_gemv.gemv_q4(lib, packed, dm, x, b, torch.float32)
-    blocks = x.float().view(rows, -1, cpu_gemv.U8_BLOCK)
+    y = cpu_bf16.gemv_q4(lib, packed, dm, x, b, torch.float32)
+    blocks = x.float().view(rows, -1, cpu_bf16.U8_BLOCK)
     step = blocks.abs().amax(-1, keepdim=True) / 127  # as the kernel: in fp32, x times 1 / step,
     xq = torch.round(blocks * (1 / step)).clamp(-127, 127)  # rounded to nearest even
     ref = (xq.double() * step.double()).view(rows, inp) @ w.double().t() + b.double()
     assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().max()).all()
     exact = x.double() @ w.double().t() + b.double()
     assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()
-    alone = torch.cat([cpu_gemv.gemv_q4(lib, packed, dm, x[i:i + 1], b, torch.float32) for i in range(rows)])
+    alone = torch.cat([cpu_bf16.gemv_q4(lib, packed, dm, x[i:i + 1], b, torch.float32) for i in range(rows)])
     assert torch.equal(alone, y)
-    assert torch.equal(cpu_gemv.gemv_q4(lib, packed, dm, x, b), y.bfloat16())
+    assert torch.equal(cpu_bf16.gemv_q4(lib, packed, dm, x, b), y.bfloat16())
     with pytest.raises(ValueError):
-        cpu_gemv.gemv_q4(lib, packed, dm, x.float())
+        cpu_bf16.gemv_q4(lib, packed, dm, x.float())
 
 
 @needs_vnni
@@ -300,19 +299,19 @@ def test_int4_proj_keeps_a_4bit_weight_and_uses_the_kernel_for_few_rows(lib, mon
     what it multiplies by is the 4-bit weight itself."""
     w = _q4_weight(256, 128, 3)
     p = Proj(w.bfloat16(), fmt="int4")
-    assert p.q8_route == "q4" and torch.equal(p.dequantized(), cpu_gemv.unpack_q4(p.w_gemv, p.scale))
+    assert p.q8_route == "q4" and torch.equal(p.dequantized(), cpu_bf16.unpack_q4(p.w_gemv, p.scale))
     assert (p.dequantized() - w).abs().max() <= 2 ** -8 * w.abs().max()  # from its bf16 copy: bf16's rounding at most
     calls = []
-    real = cpu_gemv.gemv_q4
-    monkeypatch.setattr(cpu_gemv, "gemv_q4", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
-    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1):
+    real = cpu_bf16.gemv_q4
+    monkeypatch.setattr(cpu_bf16, "gemv_q4", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
+    for rows in (1, cpu_bf16.MAX_ROWS, cpu_bf16.MAX_ROWS + 1):
         x = torch.randn(rows, 128).bfloat16()
         ref = x.float() @ p.dequantized().t()
         assert (p(x).float() - ref).abs().max() < 0.03 * ref.abs().max()
-    assert calls == [1, cpu_gemv.MAX_ROWS]
+    assert calls == [1, cpu_bf16.MAX_ROWS]
     x = torch.randn(2, 128)  # fp32 rows: the AVX2 q4 kernel (its rows in int8) where loaded, else an fp32 copy
     assert (p(x) - x @ p.dequantized().t()).abs().max() < 0.02 * (x @ p.dequantized().t()).abs().max()
-    monkeypatch.setattr(cpu_avx2, "_lib", None)
+    monkeypatch.setattr(cpu_fp32, "_lib", None)
     assert (p(x) - x @ p.dequantized().t()).abs().max() < 1e-4
 
 
@@ -326,7 +325,7 @@ def test_rms_norm_rounds_as_the_torch_path(lib, rows, dim):
     x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
     w = (torch.rand(dim, generator=g) + 0.5).bfloat16()
     ref = w * F.rms_norm(x.float(), w.shape, eps=1e-5).to(torch.bfloat16)  # the engine's bf16 rule
-    assert torch.equal(cpu_gemv.rms_norm(lib, x, w, 1e-5), ref)
+    assert torch.equal(cpu_bf16.rms_norm(lib, x, w, 1e-5), ref)
     assert torch.equal(rms_norm(x, w, 1e-5), ref)  # what the layers call, decode rows and prefill (its rows shared out)
 
 
@@ -377,9 +376,9 @@ def test_rows_attention_matches_causal_softmax(lib, keys, rows, heads, kv, hd, h
     weights as one bf16 each (the default) and as hi + lo (AGENTMEM_ATTN_P=split), which is
     closer still to the fp32 softmax."""
     q, k, v, pos = _rows_case(keys, rows, heads, kv, hd, how, keys * rows + hd)
-    out = cpu_gemv.rows_attention(lib, q, k, v, pos)
+    out = cpu_bf16.rows_attention(lib, q, k, v, pos)
     ref = _assert_causal(out, q, k, v, pos)
-    split = cpu_gemv.rows_attention(lib, q, k, v, pos, split=True)
+    split = cpu_bf16.rows_attention(lib, q, k, v, pos, split=True)
     _assert_causal(split, q, k, v, pos)
     if keys > 1:  # one key: both exact
         assert (split.float() - ref).abs().mean() < 0.95 * (out.float() - ref).abs().mean()
@@ -389,15 +388,15 @@ def test_rows_attention_p_setting(lib, monkeypatch):
     """AGENTMEM_ATTN_P picks the weights' form when the call does not: bf16 by default, split
     gives the hi + lo bits; anything else is refused with the setting's name."""
     q, k, v, pos = _rows_case(300, 100, 9, 3, 64, "chunk", 5)
-    one, two = (cpu_gemv.rows_attention(lib, q, k, v, pos, split=s) for s in (False, True))
+    one, two = (cpu_bf16.rows_attention(lib, q, k, v, pos, split=s) for s in (False, True))
     assert not torch.equal(one, two)
     monkeypatch.delenv("AGENTMEM_ATTN_P", raising=False)
-    assert torch.equal(cpu_gemv.rows_attention(lib, q, k, v, pos), one)
+    assert torch.equal(cpu_bf16.rows_attention(lib, q, k, v, pos), one)
     monkeypatch.setenv("AGENTMEM_ATTN_P", "split")
-    assert torch.equal(cpu_gemv.rows_attention(lib, q, k, v, pos), two)
+    assert torch.equal(cpu_bf16.rows_attention(lib, q, k, v, pos), two)
     monkeypatch.setenv("AGENTMEM_ATTN_P", "fp16")
     with pytest.raises(ValueError, match="AGENTMEM_ATTN_P"):
-        cpu_gemv.rows_attention(lib, q, k, v, pos)
+        cpu_bf16.rows_attention(lib, q, k, v, pos)
 
 
 @pytest.mark.parametrize("keys,rows,heads,kv,hd", [(2048, 40, 9, 3, 64), (37, 1, 4, 4, 64), (300, 7, 8, 2, 64),
@@ -409,9 +408,9 @@ def test_rows_attention_adds_each_keys_share_as_the_probe_computes_it(lib, keys,
     the vdpbf16ps kernel and on AMX tiles (rows past a row tile's last one are not counted)."""
     from agentmem.kvreuse.fuser import _attend_and_share, causal_bias
 
-    if way == "amx" and not cpu_gemv.amx_usable(lib):
+    if way == "amx" and not cpu_bf16.amx_usable(lib):
         pytest.skip("no AMX here (the CPU lacks amx_bf16/amx_tile, or Linux refused the tile state)")
-    attend = cpu_gemv.rows_attention if way == "vdpbf16ps" else cpu_gemv.rows_attention_amx
+    attend = cpu_bf16.rows_attention if way == "vdpbf16ps" else cpu_bf16.rows_attention_amx
     g = torch.Generator().manual_seed(keys + rows)
     q = torch.randn(rows, heads, hd, generator=g).bfloat16()
     k = torch.randn(keys, kv, hd, generator=g).bfloat16()
@@ -445,24 +444,24 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     k = torch.randn(200, 3, 64, generator=g).bfloat16()
     v = torch.randn(200, 3, 64, generator=g).bfloat16()
     calls = []
-    real = cpu_gemv.rows_attention
-    monkeypatch.setattr(cpu_gemv, "rows_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu_bf16.rows_attention
+    monkeypatch.setattr(cpu_bf16, "rows_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "on")
     fast = attend_chunk(q, k[:200], v[:200], 152)
     rows = torch.tensor(sorted(torch.randperm(200, generator=g)[:48].tolist()))
     blend = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert calls == [1, 1]
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
-    assert cpu_gemv.rows_kernel(q, k) is None
+    assert cpu_bf16.rows_kernel(q, k) is None
     slow = attend_chunk(q, k[:200], v[:200], 152)
     blend_slow = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert calls == [1, 1]
     assert (fast.float() - slow.float()).abs().max() < 3e-2
     assert (blend.float() - blend_slow.float()).abs().max() < 3e-2
-    assert cpu_gemv.rows_kernel(q.float(), k.float()) is None
+    assert cpu_bf16.rows_kernel(q.float(), k.float()) is None
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "fp32")
-    assert cpu_gemv.rows_kernel(q, k) is None and cpu_gemv.widen_rows(q, k)
-    assert not cpu_gemv.widen_rows(q.float(), k.float())
+    assert cpu_bf16.rows_kernel(q, k) is None and cpu_bf16.widen_rows(q, k)
+    assert not cpu_bf16.widen_rows(q.float(), k.float())
     wide = attend_chunk(q, k[:200], v[:200], 152)
     blend_wide = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert calls == [1, 1] and wide.dtype == blend_wide.dtype == torch.bfloat16
@@ -470,18 +469,18 @@ def test_rows_attention_is_what_prefill_and_blend_use(lib, monkeypatch):
     assert (blend.float() - blend_wide.float()).abs().max() < 3e-2
     with pytest.raises(ValueError, match="rows_attention"):
         real(lib, q, k, v[:100], torch.arange(48))
-    if not cpu_gemv.amx_usable(lib):
+    if not cpu_bf16.amx_usable(lib):
         return
     # the route amx: prefill, the blend's rows and its probe (with the share) on AMX tiles
     amx_calls = []
-    real_amx = cpu_gemv.rows_attention_amx
-    monkeypatch.setattr(cpu_gemv, "rows_attention_amx", lambda *a, **kw: amx_calls.append(1) or real_amx(*a, **kw))
+    real_amx = cpu_bf16.rows_attention_amx
+    monkeypatch.setattr(cpu_bf16, "rows_attention_amx", lambda *a, **kw: amx_calls.append(1) or real_amx(*a, **kw))
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "amx")
     tiles = attend_chunk(q, k[:200], v[:200], 152)
     blend_tiles = RowAttention(rows, 200, torch.bfloat16)(q, k, v)
     assert amx_calls == [1, 1] and calls == [1, 1]
     share = torch.zeros(200)
-    assert cpu_gemv.rows_attend(q, k, v, rows, share=share) is not None and amx_calls == [1, 1, 1]
+    assert cpu_bf16.rows_attend(q, k, v, rows, share=share) is not None and amx_calls == [1, 1, 1]
     assert share.sum() > 0 and calls == [1, 1]
     assert (fast.float() - tiles.float()).abs().max() < 3e-2
     assert (blend.float() - blend_tiles.float()).abs().max() < 3e-2
@@ -491,29 +490,29 @@ def test_rows_route_is_measured_once_and_remembered(lib, tmp_path, monkeypatch):
     """choose_rows_route times the kernel, widened fp32 SDPA, bf16 SDPA and (where usable) the AMX
     kernel, keeps the fastest for those shapes (AGENTMEM_ATTN_KERNEL=auto), and a second call reads
     the memo instead of timing."""
-    monkeypatch.setattr(cpu_gemv, "_ROUTES", {})
+    monkeypatch.setattr(cpu_bf16, "_ROUTES", {})
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "auto")
-    assert cpu_gemv.rows_route(4, 2, 32) == "kernel"  # not measured yet: the kernel
-    route = cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32)
+    assert cpu_bf16.rows_route(4, 2, 32) == "kernel"  # not measured yet: the kernel
+    route = cpu_bf16.choose_rows_route(tmp_path, 4, 2, 32)
     saved = json.loads((tmp_path / "attention-choice.json").read_text())
     (entry,) = saved.values()
-    ways = {"kernel", "fp32", "bf16"} | ({"amx"} if cpu_gemv.amx_usable(lib) else set())
+    ways = {"kernel", "fp32", "bf16"} | ({"amx"} if cpu_bf16.amx_usable(lib) else set())
     assert route in ways and entry["route"] == route
     assert set(entry["ms"]) == ways and route == min(entry["ms"], key=entry["ms"].get)
-    assert cpu_gemv.rows_route(4, 2, 32) == route
+    assert cpu_bf16.rows_route(4, 2, 32) == route
     other = "fp32" if route == "kernel" else "kernel"
     entry["route"] = other  # a remembered choice is used as it is
     (tmp_path / "attention-choice.json").write_text(json.dumps(saved))
-    assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 32) == other == cpu_gemv.rows_route(4, 2, 32)
+    assert cpu_bf16.choose_rows_route(tmp_path, 4, 2, 32) == other == cpu_bf16.rows_route(4, 2, 32)
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
-    assert cpu_gemv.rows_route(4, 2, 32) == "bf16"
+    assert cpu_bf16.rows_route(4, 2, 32) == "bf16"
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "yes")  # a typo is an error, not the default
     with pytest.raises(ValueError, match="AGENTMEM_ATTN_KERNEL"):
-        cpu_gemv.rows_route(4, 2, 32)
+        cpu_bf16.rows_route(4, 2, 32)
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "amx")  # asked for: AMX where usable, else bf16 SDPA
-    assert cpu_gemv.rows_route(4, 2, 32) == ("amx" if cpu_gemv.amx_usable(lib) else "bf16")
+    assert cpu_bf16.rows_route(4, 2, 32) == ("amx" if cpu_bf16.amx_usable(lib) else "bf16")
     monkeypatch.setenv("AGENTMEM_ATTN_KERNEL", "off")
-    assert cpu_gemv.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it
+    assert cpu_bf16.choose_rows_route(tmp_path, 4, 2, 24) == "bf16"  # hd 24: the kernel cannot take it
 
 
 @pytest.mark.parametrize("rows,heads,hd", [(1, 12, 64), (7, 4, 32), (16, 6, 128), (300, 12, 64)])
@@ -527,17 +526,17 @@ def test_rope_kernel_rotates_as_the_torch_path(lib, rows, heads, hd, monkeypatch
     qkv = torch.randn(rows, heads + 3, hd, generator=g).bfloat16()
     x = qkv[:, :heads]  # q and k of the fused projection: a strided view
     cos, sin = layers.Rotary(hd, 10000.0, 4096).cos_sin(torch.randint(0, 4096, (rows,), generator=g))
-    assert cpu_gemv.rope_usable(x, cos)
+    assert cpu_bf16.rope_usable(x, cos)
     calls = []
-    real = cpu_gemv.rope
-    monkeypatch.setattr(cpu_gemv, "rope", lambda *a: calls.append(1) or real(*a))
+    real = cpu_bf16.rope
+    monkeypatch.setattr(cpu_bf16, "rope", lambda *a: calls.append(1) or real(*a))
     fast = layers.rotate(x, cos, sin)
     assert calls == [1] and fast.shape == x.shape and fast.dtype == torch.bfloat16
-    monkeypatch.setattr(cpu_gemv, "loaded", lambda: None)  # the torch ops
+    monkeypatch.setattr(cpu_bf16, "loaded", lambda: None)  # the torch ops
     slow = layers.rotate(x, cos, sin)
     assert (fast.float() - slow.float()).abs().max() <= 1e-2 * slow.float().abs().max()
     assert (fast != slow).float().mean() < 0.01  # the same rounding but for rare ties
-    assert not cpu_gemv.rope_usable(x.float(), cos) and not cpu_gemv.rope_usable(x[..., :16], cos[:, :16])
+    assert not cpu_bf16.rope_usable(x.float(), cos) and not cpu_bf16.rope_usable(x[..., :16], cos[:, :16])
 
 
 def _fake_model(hd: int = 64):
@@ -569,7 +568,7 @@ def test_drift_kernel_shifts_each_group_as_the_torch_path(lib, monkeypatch):
     v_l = torch.randn(n_tok, kv, hd, generator=g).bfloat16()
     outs = []
     for use in (None, lib):
-        monkeypatch.setattr(cpu_gemv, "_lib", use)
+        monkeypatch.setattr(cpu_bf16, "_lib", use)
         d.bind(_fake_model(hd), rows)
         assert (d.lib is None) == (use is None)
         k2, v2 = k_l.clone(), v_l.clone()
@@ -581,7 +580,7 @@ def test_drift_kernel_shifts_each_group_as_the_torch_path(lib, monkeypatch):
     tol = 2 ** -7 * (kt.abs() + 1)  # one bf16 rounding (the torch path rounds after each of its two steps)
     assert ((kk - kt).abs() <= tol).all() and ((vk - vt).abs() <= 2 ** -7 * (vt.abs() + 1)).all()
     with pytest.raises(ValueError, match="drift"):
-        cpu_gemv.drift(lib, k_l, v_l, torch.tensor([[0, 800]]), torch.zeros(1, kv, hd), torch.zeros(1, kv, hd),
+        cpu_bf16.drift(lib, k_l, v_l, torch.tensor([[0, 800]]), torch.zeros(1, kv, hd), torch.zeros(1, kv, hd),
                        *_fake_model(hd).rotary.tables())
 
 
@@ -596,7 +595,7 @@ def test_place_k_writes_rotated_chunks_where_it_is_told(lib, monkeypatch):
     positions = torch.arange(200, 250)
     ref = model.rotary.apply(k, positions)
     for use in (lib, None):
-        monkeypatch.setattr(cpu_gemv, "_lib", use)
+        monkeypatch.setattr(cpu_bf16, "_lib", use)
         dest = torch.zeros(3, 300, 3, 64).bfloat16()
         got = place_k(model, k, positions, out=dest[:, 200:250])
         assert torch.equal(dest[:, 200:250], ref) and torch.equal(got, ref)
@@ -614,15 +613,15 @@ def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
     g = torch.Generator().manual_seed(rows)
     gu = (torch.randn(rows, 2 * inner, generator=g) * 4).bfloat16()
     gate, up = gu.chunk(2, dim=-1)
-    got = cpu_gemv.silu_mul(lib, gu)
+    got = cpu_bf16.silu_mul(lib, gu)
     ref = F.silu(gate) * up
     assert got.shape == ref.shape and got.dtype == torch.bfloat16
     assert (got != ref).float().mean() < 1e-3 and (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
     with pytest.raises(ValueError, match="silu_mul"):
-        cpu_gemv.silu_mul(lib, gu.float())
+        cpu_bf16.silu_mul(lib, gu.float())
     calls = []
-    real = cpu_gemv.silu_mul
-    monkeypatch.setattr(cpu_gemv, "silu_mul", lambda *a: calls.append(1) or real(*a))
+    real = cpu_bf16.silu_mul
+    monkeypatch.setattr(cpu_bf16, "silu_mul", lambda *a: calls.append(1) or real(*a))
     from agentmem.engine.model import Block, ModelArgs
 
     args = ModelArgs(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, vocab_size=10, hidden_dim=inner,
@@ -633,7 +632,7 @@ def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
     h, att = torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(rows, 2, 32, generator=g).bfloat16()
     fast = block.finish(h, att)
     assert calls == [1]
-    monkeypatch.setattr(cpu_gemv, "loaded", lambda: None)  # torch's ops (and products)
+    monkeypatch.setattr(cpu_bf16, "loaded", lambda: None)  # torch's ops (and products)
     slow = block.finish(h, att)
     assert calls == [1] and (slow.float() - fast.float()).abs().max() <= 2e-2 * slow.float().abs().max()
 
@@ -647,7 +646,7 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, f
     or weights off the u8 route, take the separate calls."""
     from agentmem.engine import model as M
 
-    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    monkeypatch.setattr(cpu_bf16, "q8_route", "u8")
     args = M.ModelArgs(vocab_size=64, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
     torch.manual_seed(rows)
     block = M.Block(args, 0).to(torch.bfloat16)
@@ -656,14 +655,14 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, f
     block.pack(fmt)
     h, attn = torch.randn(rows, 128).bfloat16(), torch.randn(rows, 4, 32).bfloat16()
     calls = []
-    real = cpu_gemv.finish_q8u8
-    monkeypatch.setattr(cpu_gemv, "finish_q8u8", lambda *a: calls.append(1) or real(*a))
+    real = cpu_bf16.finish_q8u8
+    monkeypatch.setattr(cpu_bf16, "finish_q8u8", lambda *a: calls.append(1) or real(*a))
     fused = block.finish(h, attn)
     monkeypatch.setattr(M, "FUSED_DECODE", False)
     separate = block.finish(h, attn)
     assert calls == [1] and torch.equal(fused, separate) and fused.abs().max() > 0
     monkeypatch.setattr(M, "FUSED_DECODE", True)
-    many = torch.randn(cpu_gemv.MAX_FINISH_ROWS + 1, 128).bfloat16()
+    many = torch.randn(cpu_bf16.MAX_FINISH_ROWS + 1, 128).bfloat16()
     block.finish(many, torch.randn(len(many), 4, 32).bfloat16())
     assert calls == [1]  # nine rows: the separate calls
 
@@ -677,7 +676,7 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
     from agentmem.engine import model as M
     from agentmem.engine.layers import Rotary
 
-    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    monkeypatch.setattr(cpu_bf16, "q8_route", "u8")
     args = M.ModelArgs(vocab_size=64, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
     torch.manual_seed(10 + rows)
     block = M.Block(args, 0).to(torch.bfloat16)
@@ -693,8 +692,8 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
 
     h, pos = torch.randn(rows, 128).bfloat16(), torch.arange(100, 100 + rows)
     calls = []
-    real = cpu_gemv.qkv_q8u8
-    monkeypatch.setattr(cpu_gemv, "qkv_q8u8", lambda *a: calls.append(1) or real(*a))
+    real = cpu_bf16.qkv_q8u8
+    monkeypatch.setattr(cpu_bf16, "qkv_q8u8", lambda *a: calls.append(1) or real(*a))
     fused = block(h, pos, rotary, attn)
     monkeypatch.setattr(M, "FUSED_DECODE", False)
     separate = block(h, pos, rotary, attn)
@@ -713,7 +712,7 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
     from agentmem.engine import model as M
     from agentmem.engine.layers import Rotary
 
-    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    monkeypatch.setattr(cpu_bf16, "q8_route", "u8")
     args = M.ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
     torch.manual_seed(7)
     block = M.Block(args, 1).to(torch.bfloat16)
@@ -745,7 +744,7 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
     def attn(i, q, k_raw, k_rot, v):
         pool.k[i].index_copy_(0, slots, k_rot)
         pool.v[i].index_copy_(0, slots, v)
-        return cpu_gemv.decode_attention(lib, q, pool.k[i], pool.v[i], idx.flatten(), keep)
+        return cpu_bf16.decode_attention(lib, q, pool.k[i], pool.v[i], idx.flatten(), keep)
 
     monkeypatch.setattr(M, "FUSED_DECODE", False)
     separate = block(h, pos, rotary, attn)
@@ -765,7 +764,7 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
 
     from agentmem.engine import model as M
 
-    monkeypatch.setattr(cpu_gemv, "q8_route", "u8")
+    monkeypatch.setattr(cpu_bf16, "q8_route", "u8")
     args = M.ModelArgs(vocab_size=96, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
     torch.manual_seed(5)
     model = M.Transformer(args).to(torch.bfloat16)
@@ -774,10 +773,10 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
         blk.fuse()
     model.pack(fmt)
     whole, per_layer = [], []
-    real_all, real_one = cpu_gemv.layers_q8u8, cpu_gemv.layer_q8u8
-    monkeypatch.setattr(cpu_gemv, "layers_q8u8",
+    real_all, real_one = cpu_bf16.layers_q8u8, cpu_bf16.layer_q8u8
+    monkeypatch.setattr(cpu_bf16, "layers_q8u8",
                         lambda *a: (out := real_all(*a)) is not None and whole.append(1) or out)
-    monkeypatch.setattr(cpu_gemv, "layer_q8u8",
+    monkeypatch.setattr(cpu_bf16, "layer_q8u8",
                         lambda *a: (out := real_one(*a)) is not None and per_layer.append(1) or out)
     tables = {}
 
@@ -820,7 +819,7 @@ def test_a_whole_bf16_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
 
 @pytest.fixture(scope="module")
 def amx_lib(lib):
-    if not cpu_gemv.amx_usable(lib):
+    if not cpu_bf16.amx_usable(lib):
         pytest.skip("no AMX here (the CPU lacks amx_bf16/amx_tile, or Linux refused the tile state)")
     return lib
 
@@ -845,9 +844,9 @@ def test_rows_attention_amx_matches_causal_softmax(amx_lib, keys, rows, heads, k
     any row and key count, GQA or not, head_dim 32 to 128; as close to an fp32 softmax as the
     vdpbf16ps kernel (the weights as hi + lo bf16) and no worse than torch's bf16 SDPA."""
     q, k, v, pos = _rows_case(keys, rows, heads, kv, hd, how, keys * rows + hd + 1)
-    out = cpu_gemv.rows_attention_amx(amx_lib, q, k, v, pos)
+    out = cpu_bf16.rows_attention_amx(amx_lib, q, k, v, pos)
     ref = _assert_causal(out, q, k, v, pos)
-    old = cpu_gemv.rows_attention(amx_lib, q, k, v, pos, split=True).float()
+    old = cpu_bf16.rows_attention(amx_lib, q, k, v, pos, split=True).float()
     assert (out.float() - ref).abs().mean() <= 1.1 * (old - ref).abs().mean() + 1e-6
 
 
@@ -864,7 +863,7 @@ def test_rows_attention_amx_keeps_large_and_growing_scores(amx_lib):
     v = torch.randn(keys, kv, 2 * hd, generator=g).bfloat16()[..., ::2]  # not contiguous
     pos = torch.arange(keys)
     for scale in (None, 0.3):
-        out = cpu_gemv.rows_attention_amx(amx_lib, q, k, v, pos, scale)
+        out = cpu_bf16.rows_attention_amx(amx_lib, q, k, v, pos, scale)
         ref = _causal_reference(q, k, v, pos) if scale is None else _scaled_reference(q, k, v, pos, scale)
         assert torch.isfinite(out.float()).all()
         assert (out.float() - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
@@ -884,21 +883,21 @@ def test_rows_attention_amx_rejects_what_it_does_not_take(amx_lib):
     q = torch.randn(4, 4, 64).bfloat16()
     k = torch.randn(8, 2, 64).bfloat16()
     with pytest.raises(ValueError):
-        cpu_gemv.rows_attention_amx(amx_lib, q, k, k[:7], torch.arange(4))
+        cpu_bf16.rows_attention_amx(amx_lib, q, k, k[:7], torch.arange(4))
     with pytest.raises(ValueError):
-        cpu_gemv.rows_attention_amx(amx_lib, q.float(), k.float(), k.float(), torch.arange(4))
+        cpu_bf16.rows_attention_amx(amx_lib, q.float(), k.float(), k.float(), torch.arange(4))
     with pytest.raises(ValueError):
-        cpu_gemv.rows_attention_amx(amx_lib, q[..., :48], k[..., :48], k[..., :48], torch.arange(4))
+        cpu_bf16.rows_attention_amx(amx_lib, q[..., :48], k[..., :48], k[..., :48], torch.arange(4))
     with pytest.raises(ValueError):
-        cpu_gemv.rows_attention_amx(amx_lib, q[:, :3], k, k, torch.arange(4))
+        cpu_bf16.rows_attention_amx(amx_lib, q[:, :3], k, k, torch.arange(4))
     with pytest.raises(ValueError):
-        cpu_gemv.rows_attention_amx(amx_lib, q, k, k, torch.arange(4), scale=-1.0)
+        cpu_bf16.rows_attention_amx(amx_lib, q, k, k, torch.arange(4), scale=-1.0)
 
 
 def test_amx_usable_needs_the_cpu_flags_and_is_remembered(lib, monkeypatch):
     """No AMX flags: not usable, without asking the library; the answer is kept."""
-    monkeypatch.setattr(cpu_gemv, "_amx", None)
-    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_tile"}))
-    assert cpu_gemv.amx_usable(lib) is False
-    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
-    assert cpu_gemv.amx_usable(lib) is False  # remembered
+    monkeypatch.setattr(cpu_bf16, "_amx", None)
+    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_tile"}))
+    assert cpu_bf16.amx_usable(lib) is False
+    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    assert cpu_bf16.amx_usable(lib) is False  # remembered
