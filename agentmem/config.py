@@ -161,6 +161,28 @@ class Config(BaseSettings):
         return f"sqlite:///{self.data_dir / 'agentmem.db'}"
 
 
+# Developer switches of the engine's CPU kernel paths (each in docs/engine.md's settings table).
+# They are read when a path is chosen, not once into `Config`: the kernels are chosen below any
+# Config (at import, per load, per call), and tests and benchmarks flip them between runs in one
+# process. These and `Config` are the only readers of AGENTMEM_* variables.
+ENGINE_SWITCHES: dict[str, str] = {
+    "FUSED_DECODE": "on",  # off: a decode layer's products as separate calls (kernel A/B)
+    "GEMV": "on",  # off: no C kernels at all
+    "GEMV_Q8": "auto",  # the int8 decode product's route: auto | bf16 | i16 | u8
+    "GEMV_VNNI512": "auto",  # the fp32 engine's AVX-512 product tile: auto | on | off
+    "ATTN_KERNEL": "auto",  # how query rows attend: auto | on | off | fp32 | amx
+    "ATTN_P": "bf16",  # the bf16 rows kernel's softmax weights: bf16 | split
+    "HUGEPAGES": "on",  # off: weights and KV without transparent huge pages
+}
+
+
+def engine_switch(name: str) -> str:
+    """AGENTMEM_<name>'s value now, or the switch's default."""
+    import os
+
+    return os.environ.get(f"AGENTMEM_{name}", ENGINE_SWITCHES[name])
+
+
 def private_dir(path: Path) -> Path:
     """Make `path` (and missing parents) readable by this user only: it holds users' words."""
     import os

@@ -223,7 +223,9 @@ def shared_kv(root: Path, db_url: str, redis_url: str, args) -> dict:
 
 
 def main(args) -> int:
-    db_url = args.db_url or os.environ.get("AGENTMEM_DB_URL")
+    from ..config import Config
+
+    db_url = args.db_url or Config().db_url
     if not db_url or not db_url.startswith("postgresql"):
         print("agentmem bench serve --replicas: give --db-url postgresql+psycopg://... (replicas share PostgreSQL)",
               file=sys.stderr)

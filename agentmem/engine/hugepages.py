@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 
 import torch
+
+from ..config import engine_switch
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ ALIGN = 64  # each tensor starts on a cache line
 
 
 def enabled() -> bool:
-    return os.environ.get("AGENTMEM_HUGEPAGES", "on") != "off"
+    return engine_switch("HUGEPAGES") != "off"
 
 
 class Arena:

@@ -10,7 +10,6 @@ the paged pool, and the CacheBlend fuser, which runs only selected tokens throug
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,19 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import engine_switch
 from . import hugepages
-from .kernels import cpu_bf16 as cpu_gemv
-from .kernels import cpu_fp32 as cpu_avx2
+from .kernels import cpu_bf16, cpu_fp32
 from .layers import AttnBackend, RMSNorm, Rotary
 from .linear import Proj
 
 # The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
 LM_HEAD_TRANSPOSED_MAX_ROWS = 2
 # Decode rows (at most 8) of a layer whose weights are all int8 on the u8 route run the whole
-# layer as one C call when the runner hands over the paged pool (cpu_gemv.layer_q8u8), else each
+# layer as one C call when the runner hands over the paged pool (cpu_bf16.layer_q8u8), else each
 # half of it (qkv_q8u8, finish_q8u8). AGENTMEM_FUSED_DECODE=off keeps the separate calls: a
-# kernel A/B switch read here, as AGENTMEM_ATTN_KERNEL and AGENTMEM_GEMV are in cpu_gemv.
-FUSED_DECODE = os.environ.get("AGENTMEM_FUSED_DECODE", "on") != "off"
+# kernel A/B switch read here, as AGENTMEM_ATTN_KERNEL and AGENTMEM_GEMV are in cpu_bf16.
+FUSED_DECODE = engine_switch("FUSED_DECODE") != "off"
 
 
 @dataclass(frozen=True)
@@ -132,22 +131,22 @@ class Block(nn.Module):
         """Output projection, residual, and the SwiGLU MLP."""
         attn = attn_out.reshape(attn_out.shape[0], -1)
         projs = (self.o_p, self.gate_up_p, self.down_p)
-        if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and not torch.compiler.is_compiling()
-                and (lib := cpu_gemv.loaded()) and FUSED_DECODE
-                and cpu_gemv.finish_takes(h, attn, projs, self.post_norm.weight)):
+        if (h.shape[0] <= cpu_bf16.MAX_FINISH_ROWS and not torch.compiler.is_compiling()
+                and (lib := cpu_bf16.loaded()) and FUSED_DECODE
+                and cpu_bf16.finish_takes(h, attn, projs, self.post_norm.weight)):
             # decode rows: one C call and one team of threads for the seven steps below (same bits)
-            return cpu_gemv.finish_q8u8(lib, h, attn, *projs, self.post_norm.weight, self.post_norm.eps)
+            return cpu_bf16.finish_q8u8(lib, h, attn, *projs, self.post_norm.weight, self.post_norm.eps)
         h = self.o_p.plus(h, attn)
         gu = self.gate_up_p(self.post_norm(h))
         if (gu.dtype == torch.bfloat16 and gu.device.type == "cpu" and gu.dim() == 2 and gu.shape[0] > 1
-                and gu.stride(1) == 1 and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
+                and gu.stride(1) == 1 and not torch.compiler.is_compiling() and (lib := cpu_bf16.loaded())):
             # one C call, bit-identical (Zen 4 VM, 2 threads: 2,048 rows 0.95 against 2.14 ms, 320 rows
             # 0.14 against 0.25, 8 rows 0.010 against 0.013; one row is faster through torch)
-            return self.down_p.plus(h, cpu_gemv.silu_mul(lib, gu))
+            return self.down_p.plus(h, cpu_bf16.silu_mul(lib, gu))
         if (gu.dtype == torch.float32 and gu.device.type == "cpu" and gu.dim() == 2 and gu.stride(1) == 1
-                and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
-            # fp32 rows on an AVX2 CPU: the bits `cpu_avx2.layer_q8` computes (decode rows there)
-            return h + self.down_p(cpu_avx2.silu_mul(lib, gu))
+                and not torch.compiler.is_compiling() and (lib := cpu_fp32.loaded())):
+            # fp32 rows on an AVX2 CPU: the bits `cpu_fp32.layer_q8` computes (decode rows there)
+            return h + self.down_p(cpu_fp32.silu_mul(lib, gu))
         gate, up = gu.chunk(2, dim=-1)
         return h + self.down_p(F.silu(gate) * up)
 
@@ -161,28 +160,28 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         a = self.args
         qk_end = a.n_heads + a.n_kv_heads
-        if (h.dtype == torch.float32 and h.shape[0] <= cpu_avx2.MAX_ROWS and FUSED_DECODE
+        if (h.dtype == torch.float32 and h.shape[0] <= cpu_fp32.MAX_ROWS and FUSED_DECODE
                 and (paged := getattr(attn, "decode_pool", None)) is not None
-                and not torch.compiler.is_compiling() and (lib := cpu_avx2.loaded())):
+                and not torch.compiler.is_compiling() and (lib := cpu_fp32.loaded())):
             # fp32 decode rows on the AVX2 int8 route: the whole layer in one C call
             cos_sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
             pool, slots, idx, keep = paged
-            out = cpu_avx2.layer_q8(lib, self, h, *cos_sin, pool.k[self.idx], pool.v[self.idx], slots, idx, keep)
+            out = cpu_fp32.layer_q8(lib, self, h, *cos_sin, pool.k[self.idx], pool.v[self.idx], slots, idx, keep)
             if out is not None:
                 return out
-        if (h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS and FUSED_DECODE and self.q_norm is None
-                and not torch.compiler.is_compiling() and (lib := cpu_gemv.loaded())):
+        if (h.shape[0] <= cpu_bf16.MAX_FINISH_ROWS and FUSED_DECODE and self.q_norm is None
+                and not torch.compiler.is_compiling() and (lib := cpu_bf16.loaded())):
             cos, sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
             if (paged := getattr(attn, "decode_pool", None)) is not None:
                 # decode rows over the paged pool: the whole layer in one C call (same bits)
                 pool, slots, idx, keep = paged
-                out = cpu_gemv.layer_q8u8(lib, self, h, cos, sin, pool.k[self.idx], pool.v[self.idx], slots, idx,
+                out = cpu_bf16.layer_q8u8(lib, self, h, cos, sin, pool.k[self.idx], pool.v[self.idx], slots, idx,
                                           keep)
                 if out is not None:
                     return out
-            if cpu_gemv.qkv_takes(h, self.qkv_p, self.input_norm.weight, cos, a.head_dim):
+            if cpu_bf16.qkv_takes(h, self.qkv_p, self.input_norm.weight, cos, a.head_dim):
                 # decode rows: norm, qkv and the rotation of q and k in one C call (same bits)
-                qkv, qk = cpu_gemv.qkv_q8u8(lib, h, self.input_norm.weight, self.input_norm.eps, self.qkv_p,
+                qkv, qk = cpu_bf16.qkv_q8u8(lib, h, self.input_norm.weight, self.input_norm.eps, self.qkv_p,
                                             cos, sin, qk_end, a.head_dim)
                 k, v = qkv[:, a.n_heads : qk_end], qkv[:, qk_end:]
                 return self.finish(h, attn(self.idx, qk[:, : a.n_heads], k, qk[:, a.n_heads :], v))
@@ -205,17 +204,17 @@ class Transformer(nn.Module):
         self.rotary = Rotary(args.head_dim, args.rope_theta, args.max_seq_len, args.rope_scaling)
         self.head_p: Proj | None = None
         self.weights = "fp32"
-        self._avx2_layers = None  # cpu_avx2.layers_q8's table of the layers' weights (built at first use)
+        self._avx2_layers = None  # cpu_fp32.layers_q8's table of the layers' weights (built at first use)
         self._weights_arena = None  # the projections' GEMV layouts in huge pages (set by `pack`)
-        self._u8_layers = None  # cpu_gemv.layers_q8u8's table, the same for bf16 rows on the u8 route
+        self._u8_layers = None  # cpu_bf16.layers_q8u8's table, the same for bf16 rows on the u8 route
 
     def pack(self, fmt: str) -> None:
         """Put every projection and the LM head in weight format `fmt` (see linear.py). The
         dense nn.Linear weights stay: the quality checks and the planners read them."""
         for layer in self.layers:
             layer.pack(fmt)
-        self._avx2_layers = None  # the AVX2 decode step's table of weight pointers (cpu_avx2.layers_q8)
-        self._u8_layers = None  # the bf16 u8 route's (cpu_gemv.layers_q8u8)
+        self._avx2_layers = None  # the AVX2 decode step's table of weight pointers (cpu_fp32.layers_q8)
+        self._u8_layers = None  # the bf16 u8 route's (cpu_bf16.layers_q8u8)
         # int4 keeps the LM head in int8: one 4-bit head quantizes every logit, and the tied
         # embedding a 4-bit GGUF carries is itself 8-bit (SmolLM2's Q4_1 file: Q8_0)
         head = "int8" if fmt == "int4" else fmt
@@ -265,15 +264,15 @@ class Transformer(nn.Module):
         cos_sin = self.rotary.cos_sin(positions)
         out = None
         paged = getattr(attn, "decode_pool", None) if FUSED_DECODE and not torch.compiler.is_compiling() else None
-        if paged is not None and h.dtype == torch.float32 and h.shape[0] <= cpu_avx2.MAX_ROWS \
-                and (lib := cpu_avx2.loaded()):
+        if paged is not None and h.dtype == torch.float32 and h.shape[0] <= cpu_fp32.MAX_ROWS \
+                and (lib := cpu_fp32.loaded()):
             # fp32 decode rows on the AVX2 int8 route: every layer in one C call (the per-layer
             # call below, without Python between the layers)
-            out = cpu_avx2.layers_q8(lib, self, h, *cos_sin, *paged)
-        elif paged is not None and h.dtype == torch.bfloat16 and h.shape[0] <= cpu_gemv.MAX_FINISH_ROWS \
-                and (lib := cpu_gemv.loaded()):
+            out = cpu_fp32.layers_q8(lib, self, h, *cos_sin, *paged)
+        elif paged is not None and h.dtype == torch.bfloat16 and h.shape[0] <= cpu_bf16.MAX_FINISH_ROWS \
+                and (lib := cpu_bf16.loaded()):
             # bf16 decode rows on the u8 route (AVX-512 VNNI): the same, one call for all layers
-            out = cpu_gemv.layers_q8u8(lib, self, h, *cos_sin, *paged)
+            out = cpu_bf16.layers_q8u8(lib, self, h, *cos_sin, *paged)
         if out is not None:
             h = out
         else:

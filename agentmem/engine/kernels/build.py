@@ -23,6 +23,8 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+from ...config import engine_switch
+
 log = logging.getLogger("agentmem.engine")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -128,7 +130,7 @@ def load_once(module: types.ModuleType, name: str, cpu_ok: Callable[[], bool], n
         if module._tried:
             return module._lib
         module._tried = True
-        if os.environ.get("AGENTMEM_GEMV", "on") == "off":
+        if engine_switch("GEMV") == "off":
             module.why_not = "AGENTMEM_GEMV=off"
             return None
         if not cpu_ok():

@@ -44,7 +44,6 @@ returns None, says why once, and the engine keeps oneDNN.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from ...config import engine_switch
 from ..measured import best_seconds_each, cpu_flags, remembered, simd_flags
 from .build import BF16_FLAGS, BF16_SOURCE, load_once, source_tag
 from .build import build as build  # re-exported for callers that build a library variant through this module
@@ -161,7 +161,7 @@ def choose_q8(cache_dir: Path | str) -> str:
     routes' products were within 8% of each other (i16 180, u8 186, bf16 194 us), i16 was
     taken, and decode ran at 71-74 tok/s against u8's 122 (2026-11-27)."""
     global q8_route
-    mode = os.environ.get("AGENTMEM_GEMV_Q8", "auto")
+    mode = engine_switch("GEMV_Q8")
     if mode not in ("auto", *Q8_ROUTES):
         raise ValueError(f"AGENTMEM_GEMV_Q8 must be auto, bf16, i16 or u8, got {mode!r}")
     if _lib is None or not vnni():
@@ -696,7 +696,7 @@ def rows_route(heads: int, kv_heads: int, head_dim: int) -> str:
     (SDPA in bf16). AGENTMEM_ATTN_KERNEL = auto (the default: what `choose_rows_route` measured
     for these shapes, else the kernel) | on (the kernel) | off (SDPA in bf16) | fp32 | amx (where
     `amx_usable`, else bf16 SDPA)."""
-    mode = os.environ.get("AGENTMEM_ATTN_KERNEL", "auto")
+    mode = engine_switch("ATTN_KERNEL")
     if mode == "auto":
         return _ROUTES.get((heads, kv_heads, head_dim), "kernel")
     if mode not in ATTN_MODES:
@@ -760,7 +760,7 @@ def choose_rows_route(cache_dir: Path | str, heads: int, kv_heads: int, head_dim
 def p_split() -> bool:
     """Whether `rows_attention` multiplies V by each softmax weight as two bf16 (hi + lo, ~16 bits:
     AGENTMEM_ATTN_P=split) or as one (bf16, the default), as flash attention does on GPUs."""
-    mode = os.environ.get("AGENTMEM_ATTN_P", "bf16")
+    mode = engine_switch("ATTN_P")
     if mode not in ("bf16", "split"):
         raise ValueError(f"AGENTMEM_ATTN_P must be bf16 or split, got {mode!r}")
     return mode == "split"

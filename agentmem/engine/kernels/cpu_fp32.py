@@ -41,13 +41,13 @@ hold is `cpu_bf16`'s, given this library's C functions and fp32.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
+from ...config import engine_switch
 from ..measured import cpu_flags, remembered, simd_flags
 from . import cpu_bf16
 from .build import AVX2_FLAGS as _AVX2_FLAGS
@@ -134,7 +134,7 @@ def load(cache_dir: Path | str | None = None) -> ctypes.CDLL | None:
     products' tile is `choose_tile`'s."""
     global _FLAGS, PRODUCT_MAX_ROWS
     with _lock:
-        if not _tried and cpu_ok() and os.environ.get("AGENTMEM_GEMV", "on") != "off" and choose_tile(cache_dir):
+        if not _tried and cpu_ok() and engine_switch("GEMV") != "off" and choose_tile(cache_dir):
             name, flags = wide_tile()
             _FLAGS = _AVX2_FLAGS + flags
             if name == "vnni512":
@@ -149,7 +149,7 @@ def choose_tile(cache_dir: Path | str | None) -> bool:
     once per machine and remembered under `cache_dir`) | on | off. The two give the same bits, so
     this is a choice of speed alone. On the Cascade Lake VM (2026-11-28) the VNNI tile took eight
     rows' products from 16.2 to 8.7-10.9 ms and one row's from 7.4-7.8 to 7.2-7.6."""
-    mode = os.environ.get("AGENTMEM_GEMV_VNNI512", "auto")
+    mode = engine_switch("GEMV_VNNI512")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"AGENTMEM_GEMV_VNNI512 must be auto, on or off, got {mode!r}")
     wide = wide_tile()
@@ -280,7 +280,7 @@ def rows_kernel(q: torch.Tensor, k: torch.Tensor) -> ctypes.CDLL | None:
     AVX2_ROWS_MAX_KEYS keys. AGENTMEM_ATTN_KERNEL=off leaves them to torch's SDPA, as it does bf16
     rows."""
     if (q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3 or k.dim() != 3 or q.shape[0] < ROWS_MIN
-            or q.shape[2] % 16 or q.shape[2] > 256 or os.environ.get("AGENTMEM_ATTN_KERNEL") == "off"
+            or q.shape[2] % 16 or q.shape[2] > 256 or engine_switch("ATTN_KERNEL") == "off"
             or (rows_build() == "avx2" and k.shape[0] > AVX2_ROWS_MAX_KEYS)):
         return None
     return loaded()
