@@ -225,7 +225,7 @@ class AgentSession:
 
     def search(self, query: str, k: int = 10, since: datetime | None = None, until: datetime | None = None, *,
                retrievers: Collection[str] | None = None) -> list[Hit]:
-        """Hybrid recall over everything this user said (tiers/recall.py); each hit names the
+        """Hybrid recall over everything this user said (tiers/recall/); each hit names the
         retrievers that found it. `since`/`until` filter; time named in the query is a boost."""
         return self.store.search(self.tenant_id, self.user_id, query, k, since, until, retrievers=retrievers)
 

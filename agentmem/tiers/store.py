@@ -163,7 +163,7 @@ class MemoryStore:
     def search(self, tenant_id: str, user_id: str, query: str, k: int = 10, since: datetime | None = None,
                until: datetime | None = None, exclude_messages: Collection[int] = frozenset(), *,
                retrievers: Collection[str] | None = None, own_replies: bool = True) -> list[R.Hit]:
-        """Hybrid recall (recall.py): full-text, dense, in-context dense and reflected facts,
+        """Hybrid recall (tiers/recall/): full-text, dense, in-context dense and reflected facts,
         fused; each hit says which `retrievers` found it. Pass `retrievers` to use a subset.
         `own_replies=False` leaves out the assistant's own replies (unnamed assistant turns;
         an imported conversation's named speakers stay), as the prompt's notes do."""
