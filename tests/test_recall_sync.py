@@ -137,3 +137,27 @@ def test_concurrent_syncs_add_every_vector_once(tmp_path):
     other = store.recall.sync("t", "other")
     assert emb.texts == ui.index.ntotal + other.index.ntotal  # each vector embedded once
     store.close()
+
+
+def test_deleting_the_newest_messages_is_reconciled_once(tmp_path, monkeypatch):
+    """After the user's newest messages are deleted (an agent framework taking its last items
+    back), one sync drops their vectors; later syncs see nothing stale and read no ids."""
+    from sqlalchemy import delete
+
+    from agentmem.tiers.schema import MessageRow
+
+    store = MemoryStore(Config(data_dir=tmp_path), embedder=HashEmbedder())
+    sid = store.open_session("t", "u").id
+    kept = store.add_messages("t", "u", sid, [{"role": "user", "content": f"kept message {i}"} for i in range(3)])
+    gone = store.add_messages("t", "u", sid, [{"role": "user", "content": "taken back"}])
+    store.recall.sync("t", "u")
+    with store.archive.tx() as s:
+        s.execute(delete(MessageRow).where(MessageRow.id == gone[0].id))
+    ui = store.recall.sync("t", "u")
+    assert set(ui.messages) == {m.id for m in kept} and ui.top_id == kept[-1].id
+    reads = []
+    real = store.archive.message_ids
+    monkeypatch.setattr(store.archive, "message_ids", lambda *a: reads.append(a) or real(*a))
+    store.recall.sync("t", "u")
+    assert reads == []
+    store.close()

@@ -392,6 +392,9 @@ class Indexes:
                             ui.top_id, ui.newest, ui.speakers, ui.times, ui.info = 0, 0.0, set(), {}, {}
                             ui.who, ui.codes, ui.asks, ui.terms = {}, {}, set(), TermStats()
                         ui.low_id = min(want, default=0)
+                        # the newest rows deleted: later syncs would take `top < after` for another
+                        # deletion and reconcile on every search
+                        ui.top_id = min(ui.top_id, max(want, default=0))
                         ui.recent = sorted(i for i in ui.messages if i > ui.top_id - LOOKBACK_IDS)
                         ui.counted_at = -math.inf  # count again next time: the reconcile may have raced
                         missing = sorted(want - ui.messages.keys())
