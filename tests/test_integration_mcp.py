@@ -177,11 +177,14 @@ def test_http_endpoint_needs_a_key_and_keeps_tenants_apart(served):
 def test_without_the_extra_the_import_and_the_endpoint_name_it(monkeypatch, tmp_path):
     from fastapi.testclient import TestClient
 
+    import agentmem.integrations
     from agentmem.api import create_app
     from agentmem.config import Config
 
     monkeypatch.setitem(sys.modules, "mcp", None)
+    # as in a process that never imported it: neither the module nor the package's attribute
     monkeypatch.delitem(sys.modules, "agentmem.integrations.mcp_server", raising=False)
+    monkeypatch.delattr(agentmem.integrations, "mcp_server", raising=False)
     with pytest.raises(ImportError, match=r"agentmem\[mcp\]"):
         importlib.import_module("agentmem.integrations.mcp_server")
     monkeypatch.delitem(sys.modules, "agentmem.integrations.mcp_server", raising=False)

@@ -340,6 +340,15 @@ class Archive:
                              .order_by(SessionRow.created_at, SessionRow.id))
             return [self._session_info(s, r) for r in rows]
 
+    def latest_session(self, tenant_id: str, user_id: str, prefer: str | None = None) -> str | None:
+        """`prefer` when the user has that session, else the newest one's id: one indexed
+        lookup, where `list_sessions` counts every session's messages."""
+        with self.tx() as s:
+            if prefer is not None and s.get(SessionRow, (tenant_id, user_id, prefer)) is not None:
+                return prefer
+            return s.scalar(select(SessionRow.id).where(SessionRow.tenant_id == tenant_id, SessionRow.user_id == user_id)
+                            .order_by(SessionRow.created_at.desc(), SessionRow.id.desc()).limit(1))
+
     def _session_info(self, s: Session, row: SessionRow) -> R.SessionInfo:
         n = s.scalar(select(func.count()).select_from(MessageRow).where(
             MessageRow.tenant_id == row.tenant_id, MessageRow.user_id == row.user_id, MessageRow.session_id == row.id))

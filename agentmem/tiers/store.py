@@ -104,11 +104,7 @@ class MemoryStore:
     def latest_session(self, tenant_id: str, user_id: str) -> str | None:
         """The session a call that names none continues: the user's default conversation (the
         one a stateless chat without `session_id` uses) when it exists, else the newest."""
-        sessions = self.list_sessions(tenant_id, user_id)
-        default = default_session_id(tenant_id, user_id)
-        if any(s.id == default for s in sessions):
-            return default
-        return sessions[-1].id if sessions else None
+        return self.archive.latest_session(tenant_id, user_id, prefer=default_session_id(tenant_id, user_id))
 
     def session_messages(self, tenant_id: str, user_id: str, session_id: str) -> list[R.Message]:
         return self.archive.messages(tenant_id, user_id, session_id=session_id)
