@@ -1,8 +1,8 @@
-"""The noisy-neighbour bound against a real `agentmem serve` (issue 18 item 1): a quiet
+"""The noisy-neighbour bound against a real `agentmem serve`: a quiet
 tenant's search and first token while another tenant floods the same server with
 concurrent streamed chats and messages of the longest allowed size.
 
-The issue's target (within 2x of the no-flood values) is measured by `agentmem bench serve`
+The target (within 2x of the no-flood values) is measured by `agentmem bench serve`
 on a quiet machine; here, on a shared CI machine whose other load comes and goes between
 the two phases, the bound has a margin: before the fair embedder a quiet search waited
 tens of seconds behind the flood, so a bound of a few times the no-flood figure (with a

@@ -485,7 +485,7 @@ def test_blend_bench_prints_its_json_contract_last(engine, tmp_path, monkeypatch
     parts = out["blend_breakdown_s"]
     assert list(parts) == list(fuser.Clock.PARTS) and all(t >= 0 for t in parts.values())
     assert parts["layers"] > 0 and parts["attention"] > 0
-    # the parts tile the blend's TTFT: they add up to it within 10% (the test)
+    # the parts tile the blend's TTFT: they add up to it within 10%
     assert abs(sum(parts.values()) - out["blend_ttft_s"]) <= 0.1 * out["blend_ttft_s"]
 
 

@@ -1,4 +1,4 @@
-"""Hybrid recall (issue 14): each retriever alone and fused, the full-text index kept in step
+"""Hybrid recall: each retriever alone and fused, the full-text index kept in step
 with the archive (migration, edits, deletes, tenants), time and people in the question,
 diversity over sessions, and bad input."""
 

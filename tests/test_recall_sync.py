@@ -1,4 +1,4 @@
-"""The recall index's sync embeds new rows outside the user's lock (issue 18): the lock is
+"""The recall index's sync embeds new rows outside the user's lock: the lock is
 free while the embedder works, concurrent syncs of one user add every vector once and lose
 none (evictions to disk included), and a user forgotten mid-sync gets nothing back."""
 
