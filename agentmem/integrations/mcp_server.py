@@ -23,7 +23,6 @@ import json
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -38,6 +37,7 @@ from mcp.server.mcpserver.exceptions import ToolError  # noqa: E402
 from mcp.server.transport_security import TransportSecuritySettings  # noqa: E402
 from mcp.types import CallToolResult, TextContent, ToolAnnotations  # noqa: E402
 
+from ..api.limits import Limits  # noqa: E402 (the REST service's: one call carries what one request may)
 from ..config import Config  # noqa: E402
 from ..tiers.records import Conflict, Hit, InvalidInput, Memory, NotFound  # noqa: E402
 from ..tiers.store import MemoryStore  # noqa: E402
@@ -52,14 +52,6 @@ INSTRUCTIONS = (
     "the memory's id; when they ask you to forget it, delete_memory. Core blocks (set_core_block) "
     "hold what must be in every prompt, such as the user's name and standing instructions."
 )
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one call may carry (the REST service's limits when mounted there)."""
-
-    max_text_chars: int = 32_000
-    max_messages: int = 256
 
 
 class MessageIn(BaseModel):
@@ -78,14 +70,14 @@ class MemoryTools:
     """The tools' work on one (tenant, user), plain and synchronous: each returns the
     structured result and its text rendering, and raises ToolError on bad input."""
 
-    def __init__(self, store: MemoryStore, engine: Callable[[], Any], config: Config, limits: Limits = Limits()):
-        self.store, self.engine, self.config, self.limits = store, engine, config, limits
+    def __init__(self, store: MemoryStore, engine: Callable[[], Any], config: Config, limits: Limits | None = None):
+        self.store, self.engine, self.config, self.limits = store, engine, config, limits or Limits()
 
     def _text(self, value: str, what: str) -> str:
         if not isinstance(value, str) or not value.strip():
             raise ToolError(f"{what} is empty")
-        if len(value) > self.limits.max_text_chars:
-            raise ToolError(f"{what} is {len(value)} characters; the limit is {self.limits.max_text_chars}")
+        if len(value) > self.limits.max_message_chars:
+            raise ToolError(f"{what} is {len(value)} characters; the limit is {self.limits.max_message_chars}")
         return value
 
     def add_memory(self, tenant: str, user: str, text: str) -> tuple[dict, str]:
@@ -150,8 +142,8 @@ class MemoryTools:
     def set_core_block(self, tenant: str, user: str, label: str, value: str) -> tuple[dict, str]:
         if not isinstance(label, str) or not label.strip():
             raise ToolError("label is empty")
-        if len(value) > self.limits.max_text_chars:
-            raise ToolError(f"value is {len(value)} characters; the limit is {self.limits.max_text_chars}")
+        if len(value) > self.limits.max_message_chars:
+            raise ToolError(f"value is {len(value)} characters; the limit is {self.limits.max_message_chars}")
         b = self.store.set_core_block(tenant, user, label, value)
         return {"block": b.to_dict()}, f"Core block {b.label!r} set ({len(b.value)} of {b.limit} characters)."
 
@@ -333,8 +325,7 @@ class McpEndpoint:
 
     def __init__(self, services):
         self.services = services
-        limits = Limits(services.limits.max_message_chars, services.limits.max_messages)
-        tools = MemoryTools(services.store, services.engine, services.config, limits)
+        tools = MemoryTools(services.store, services.engine, services.config, services.limits)
         self.server = build_server(tools, HttpCaller(services.tenant_for_key))
         self._apps: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
         self._lock = threading.Lock()
