@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 # (key, statement, change statement or None, question, values). The questions share no content
-# word with their statements (tests/test_recall.py checks it): a question that repeats its
+# word with their statements (tests/tiers/test_recall.py checks it): a question that repeats its
 # evidence's words measures nothing, and real users ask "what do I do for a living?".
 FACTS = [
     ("dog", "My dog is called {v}.", "We renamed our dog, he is called {v} now.", "What name did I give my four-legged friend?",

@@ -17,7 +17,7 @@ K/V to the pool's scratch slot and attend to it alone. Capturing a bucket takes 
 the buckets share one memory pool. A capture that raises leaves decode eager, and says why.
 
 The engine uses it under `compile` auto or on when the device is CUDA (loop.compiled_decode);
-`compile=off` decodes eagerly. Same greedy tokens as eager: tests/test_cuda.py.
+`compile=off` decodes eagerly. Same greedy tokens as eager: tests/engine/test_cuda.py.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ def test_closing_a_stream_cancels_and_frees(engine):
 
 
 def test_a_stream_under_cancel_on_ends_when_its_event_is_set(engine):
-    """Nobody closes the stream: the event alone ends it (tests/test_api_tenants.py has the
+    """Nobody closes the stream: the event alone ends it (tests/api/test_api_tenants.py has the
     case it is for, a plain request whose client left while the reply's text was held back)."""
     from agentmem.engine.engine import cancel_on
 

@@ -8,7 +8,7 @@ from agentmem import cli
 from agentmem.bench import report
 from agentmem.bench.results import Machine, result_path, stamp, write
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_report_has_a_row_for_every_result_it_reads():

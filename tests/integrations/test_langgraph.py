@@ -338,7 +338,7 @@ def test_a_compiled_graph_uses_it_as_its_store(store, mstore):
 
 
 def test_the_example_runs(mstore, monkeypatch):
-    path = Path(__file__).parent.parent / "examples" / "langgraph_memory.py"
+    path = Path(__file__).parents[2] / "examples" / "langgraph_memory.py"
     spec = importlib.util.spec_from_file_location("langgraph_memory_example", path)
     example = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, example)  # its dataclass looks its module up

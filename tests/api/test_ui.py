@@ -336,7 +336,7 @@ def take_screenshots(page, server: Server, user: str, out: Path) -> list[Path]:
 
 
 def test_screenshot_of_each_view(server, iris, page, tmp_path):
-    """Every view renders. `AGENTMEM_UI_SCREENSHOTS=docs/img pytest tests/test_ui.py -k
+    """Every view renders. `AGENTMEM_UI_SCREENSHOTS=docs/img pytest tests/api/test_ui.py -k
     screenshot` keeps the images (docs/img/ui-<view>.png, shown in docs/ui.md)."""
     out = Path(os.environ.get("AGENTMEM_UI_SCREENSHOTS") or tmp_path)
     shots = take_screenshots(page, server, iris, out)

@@ -20,7 +20,7 @@ from agentmem.bench.results import (
     this_machine,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAMP = ("machine", "commit", "date", "cpu", "flags", "dtype")
 
 

@@ -20,7 +20,7 @@ from mcp import Client  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
-from tests._serve import serve  # noqa: E402
+from _serve import serve  # noqa: E402
 
 TOOLS = {"add_memory", "add_messages", "search_memory", "get_context", "list_memories", "update_memory",
          "delete_memory", "set_core_block"}
