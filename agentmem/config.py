@@ -122,6 +122,19 @@ class Config(BaseSettings):
     kv_gpu_bytes: int = 2 << 30  # on CUDA, the tier above RAM
     kv_disk_dir: Path | None = None  # default: <data_dir>/chunks (KV of users' memories is user data)
     kv_disk_bytes: int = 8 << 30
+    # how chunk KV is stored on disk and in Redis (kvreuse/codec.py): raw | int8 | int4 (K per
+    # channel, V per token, groups of 32 with fp16 scales). int4: 0.31x raw bf16's bytes at a
+    # blend KL within 1.25x raw's (`bench kvstore`, docs/kvreuse.md)
+    kv_codec: str = "int4"
+    kv_ram_codec: bool = True  # the RAM tier holds the codec's blobs too (~3x the chunks, a decode per hit)
+    # which chunks each tier keeps (kvreuse/policy.py): value (expected reuse x prefill seconds
+    # saved / bytes, with admission) | lru (the baseline)
+    kv_policy: str = "value"
+    kv_half_life_s: float = 300.0  # a chunk's use count halves every this many seconds without a use
+    kv_min_tokens: int = 16  # shorter chunks are not cached (their bookkeeping costs what they save)
+    # a turn that ends in a tool call keeps its chunks pinned in memory this long, for the
+    # continuation that brings the tool's result (0: no pinning)
+    tool_pin_s: float = 120.0
 
     # --- remote engine (engine/remote.py) --------------------------------------------------
     # An OpenAI-compatible inference server (vLLM, SGLang, llama.cpp's server) in place of the
@@ -129,14 +142,27 @@ class Config(BaseSettings):
     engine_url: str | None = None
     engine_api_key: str | None = None
     engine_model: str | None = None
-    engine_tokenizer: Path | None = None  # the model's tokenizer files; default: the default model's
+    # which route the server answers on: chat (/v1/chat/completions: the segments become chat
+    # messages, the server applies its model's template) | completions (/v1/completions with the
+    # prompt rendered here, which needs the model's own tokenizer and template) | auto (completions
+    # where the server has that route and the model's tokenizer is known: given below, or the
+    # server's tokenize endpoint gives the default model's ids; else chat). engine/remote_chat.py
+    engine_api: str = "auto"
+    # the model's tokenizer files; default: the default model's. In chat mode without them, token
+    # counts are an estimate calibrated from the usage the server reports (engine/remote_budget.py)
+    engine_tokenizer: Path | None = None
+    # the server model's context window; unset: what the server's metadata says (vLLM's
+    # max_model_len, llama.cpp's n_ctx, LM Studio's max_context_length), else context_window,
+    # else the tokenizer files' config.json, else 8192
+    engine_context: int | None = Field(default=None, ge=64)
     # token counts: auto (the files above when given, else the server's tokenize endpoint where
     # it has one, else the default model's files) | server (its endpoint, required) | local
     engine_tokenize: str = "auto"
     # what reflection and LLMLingua compression run on: "local" (the engine itself when it is
     # embedded; beside a remote engine, the default model loaded in this process: they read
-    # the model's tensors, which a server does not expose) | "none" (no model: the fact
-    # templates alone, no compression)
+    # the model's tensors, which a server does not expose) | "remote" (facts and supersessions
+    # extracted by the remote engine's server with JSON-schema output, batched: reflect/remote.py;
+    # compression stays local) | "none" (no model: the fact templates alone, no compression)
     reflect_engine: str = "local"
     engine_timeout_s: float = 120.0  # per read; connecting gives up after 5 s
     engine_retries: int = 3  # for calls that generated nothing yet, with exponential backoff

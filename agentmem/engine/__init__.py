@@ -15,6 +15,7 @@ from .engine import (
 from .errors import (
     EmptyPrompt,
     EngineError,
+    EngineRefused,
     EngineUnavailable,
     InvalidSampling,
     PromptTooLong,
@@ -36,6 +37,7 @@ __all__ = [
     "EmptyPrompt",
     "Engine",
     "EngineError",
+    "EngineRefused",
     "EngineUnavailable",
     "Generation",
     "GenerationStats",

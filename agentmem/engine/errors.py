@@ -27,3 +27,15 @@ class UnsupportedModel(EngineError):
 class EngineUnavailable(RuntimeError):
     """The remote inference server cannot be reached or broke off a reply: not the caller's
     fault, so not an `EngineError` (a 503 in the REST service, not a 400)."""
+
+
+class EngineRefused(EngineUnavailable):
+    """The remote inference server answered but would not serve the request: a parameter it
+    does not accept (`param` names it where the server or the request tells), a refusal or a
+    content filter. Retrying the same request would not help. A subclass of
+    `EngineUnavailable`, so a caller that handles a server that is away handles this too."""
+
+    def __init__(self, message: str, param: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.param = param
+        self.status = status

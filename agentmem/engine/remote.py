@@ -2,7 +2,10 @@
 TGI) in place of the embedded engine.
 
 Each prompt goes to `/v1/completions` as the rendered text of its segments, in assembly
-order, streamed. The assembly puts the stable part first (persona, core blocks, summary,
+order, streamed; or, in chat mode (`engine_api`: chat, or auto where the server has no
+completions route or the model's tokenizer is unknown), to `/v1/chat/completions` as chat
+messages (remote_chat.py), with budgets bounded from the usage the server reports
+(remote_budget.py). The assembly puts the stable part first (persona, core blocks, summary,
 recent turns), so the server's own prefix cache reuses it from turn to turn; the embedded
 engine's chunk-KV blending does not apply here. Tokens are counted with the model's own
 tokenizer files when a path is given (`engine_tokenizer`), else by the server's own tokenize
@@ -24,7 +27,9 @@ turn's stats, None where the server did not say; time to first token is measured
 Failures: connecting and the server's 429/5xx answers before any text are retried with
 exponential backoff (nothing was generated yet, so the request is still idempotent); a
 stream cut after text has flowed is not retried. Either way `EngineUnavailable` says which
-server and why; the session has already stored the user's message.
+server and why; the session has already stored the user's message. Another 4xx, a refusal
+(`refusal` in the reply) or a content filter is `EngineRefused` (a subclass), naming the
+refused parameter where the server's answer does.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ from ..config import Config
 from .cancel import current_cancel_event
 from .defaults import sampling_defaults
 from .engine import ChatText, Segment
-from .errors import EmptyPrompt, EngineUnavailable, PromptTooLong
+from .errors import EmptyPrompt, EngineRefused, EngineUnavailable, PromptTooLong
+from .remote_budget import TokenBudget, server_window
+from .remote_chat import ToolCalls, cached_tokens, refusal_error, sampling_body, to_messages
 from .results import Generation, GenerationStats
 from .sampler import SamplingParams
 from .tokenizer import ChatFormat, chat_format, load_tokenizer
@@ -56,6 +63,11 @@ COUNT_CACHE = 4096  # token counts the server gave, kept by text (memories are c
 # the server's tokenize endpoints and the text's key in their bodies: llama-cpp-python's, then
 # vLLM's ("prompt") and llama.cpp's server's ("content"); the first that answers is used
 TOKENIZE = (("/extras/tokenize/count", ("input",)), ("/tokenize", ("prompt", "content")))
+APIS = ("auto", "chat", "completions")
+# texts whose token counts tell whether the server's model has the local tokenizer: plain
+# words, digits, accents and the chat wraps (special tokens) of the local template
+PROBE_TEXTS = ("The quick brown fox, 1234567 - über naïve café.", "  def f(x):\n\treturn x ** 2  # ok")
+CALIBRATION_PROBES = 3  # one-token requests that calibrate the budget where streams report no usage
 
 
 @dataclass
@@ -65,17 +77,34 @@ class RemoteStats(GenerationStats):
     the server did not say)."""
 
     server: dict = field(default_factory=dict)
+    tool_calls: list[dict] | None = None  # chat mode: the provider's own tool calls, OpenAI's shape
 
 
 class RemoteEngine(ChatText):
     def __init__(self, url: str, tokenizer, *, model: str | None = None, api_key: str | None = None,
                  context_window: int = DEFAULT_CONTEXT, timeout_s: float = 120.0, connect_timeout_s: float = 5.0,
                  retries: int = 3, backoff_s: float = 0.25, defaults: dict | None = None,
-                 tokenize: str = "local"):
+                 tokenize: str = "local", api: str = "completions", exact_tokenizer: bool = True,
+                 ask_window: bool = False, chat_defaults: dict | None = None):
+        """`context_window` is the server's window (`ask_window`: unless its metadata states
+        one). `exact_tokenizer` says `tokenizer` is the served model's own; where it is not
+        known to be, the server's tokenize endpoint may still show it is, else chat mode's
+        budget bound starts at the estimator's prior and sampling defaults to `chat_defaults`
+        (the settings given, not another model's card)."""
         self.url = url.rstrip("/").removesuffix("/v1")
         self.tokenizer = tokenizer
         self.chat: ChatFormat = chat_format(tokenizer)
-        self.context_window = context_window
+        if api not in APIS:
+            raise ValueError(f"engine_api must be auto, chat or completions, got {api!r}")
+        self._api = None if api == "auto" else api
+        self._resolved = api == "completions"  # chat and auto still ask whether the tokenizer is the model's
+        self._window = context_window
+        self._ask_window = ask_window
+        self._exact = exact_tokenizer
+        self._chat_defaults = dict(chat_defaults or {})
+        self.budget = TokenBudget(exact_tokenizer)
+        self._stream_usage: bool | None = None  # whether the server reports usage in a chat stream
+        self._dropped_fields: set[str] = set()  # fields a server refused that a request can go without
         self.retries, self.backoff_s = retries, backoff_s
         self.sampling_defaults: dict = dict(defaults or {})
         if tokenize not in ("auto", "server", "local"):
@@ -97,6 +126,7 @@ class RemoteEngine(ChatText):
         default model's checkpoint directory (dequantized once into the cache if missing)."""
         path = config.engine_tokenizer
         tokenize = config.engine_tokenize
+        given = path is not None
         if path is None:
             from .weights import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -104,11 +134,75 @@ class RemoteEngine(ChatText):
         else:
             card = Path(path).name
             tokenize = "local" if tokenize == "auto" else tokenize  # the files given are the model's
-        window = config.context_window or _window_from(Path(path))
-        return cls(config.engine_url, load_tokenizer(Path(path)), model=config.engine_model,
-                   api_key=config.engine_api_key, context_window=window, timeout_s=config.engine_timeout_s,
-                   retries=config.engine_retries, defaults=sampling_defaults(Path(path), card, config),
-                   tokenize=tokenize)
+        window = config.engine_context or config.context_window or _window_from(Path(path))
+        engine = cls(config.engine_url, load_tokenizer(Path(path)), model=config.engine_model,
+                     api_key=config.engine_api_key, context_window=window, timeout_s=config.engine_timeout_s,
+                     retries=config.engine_retries, defaults=sampling_defaults(Path(path), card, config),
+                     tokenize=tokenize, api=config.engine_api, exact_tokenizer=given,
+                     ask_window=config.engine_context is None, chat_defaults=_configured_sampling(config))
+        return engine
+
+    # --- which route, which window ---------------------------------------------------------
+    @property
+    def api(self) -> str:
+        """"chat" or "completions". auto: completions where the server has that route and the
+        model's tokenizer is known (its files were given, or the server's tokenize endpoint
+        counts as the local files do on PROBE_TEXTS and the chat wraps), else chat. Asked once;
+        a server that is down is asked again on the next call."""
+        if not self._resolved:
+            has_route = False
+            if self._api is None:
+                try:
+                    self._request("POST", "/v1/completions", json={}).close()
+                    has_route = True
+                except EngineRefused as exc:
+                    has_route = exc.status not in (404, 405)
+            known = self._exact or self._server_counts_as_local()
+            if known and not self._exact:
+                self._exact, self.budget = True, TokenBudget(True)
+            self._api = self._api or ("completions" if has_route and known else "chat")
+            self._resolved = True
+            if self._api == "chat":
+                self.tokenize = "local"  # the messages' counts are bounded by the budget
+                if not known:  # another model's card does not fit: only the AGENTMEM_SAMPLE_* settings
+                    self.sampling_defaults = dict(self._chat_defaults)
+        return self._api
+
+    def _server_counts_as_local(self) -> bool:
+        if self._tokenize_endpoint() is None:
+            return False
+        w = self.chat.wraps
+        texts = (*PROBE_TEXTS, w["system"][0] + "s" + w["system"][1] + w["user"][0] + "u" + w["user"][1])
+        return all(self.count_tokens(t) == super(RemoteEngine, self).count_tokens(t) for t in texts)
+
+    @property
+    def server_context(self) -> int:
+        """The server's context window, in its tokens."""
+        if self._ask_window:
+            try:
+                found = server_window(self.http, self._model)
+            except httpx.HTTPError:
+                found = None
+            self._ask_window = False
+            self._window = found or self._window
+        return self._window
+
+    @property
+    def context_window(self) -> int:
+        """The window in this engine's counted tokens: the server's, in chat mode bounded by
+        the budget's factor (remote_budget.py)."""
+        try:
+            api = self.api
+        except EngineUnavailable:
+            api = "chat"  # the server is away: the smaller, bounded window until it answers
+        if api == "chat":
+            return self.budget.window(self.server_context)
+        return self.server_context
+
+    @property
+    def native_tools(self) -> bool:
+        """Tools, tool_choice and response_format go to the server as they are (chat mode)."""
+        return self.api == "chat"
 
     # --- identity --------------------------------------------------------------------------
     @property
@@ -203,7 +297,10 @@ class RemoteEngine(ChatText):
     def stream(self, prompt, params: SamplingParams | None = None, **kw) -> RemoteStream:
         """Start a completion; iterate for text pieces. The connection is opened here, so a
         server that is down fails the call before any text (after the retries)."""
+        native = kw.pop("native", None)
         params = (params or SamplingParams(**kw)).validate()
+        if self.api == "chat":
+            return self._chat_stream(prompt, params, native or {})
         text = self.render(prompt)
         n = self.count_tokens(text)
         if n == 0:
@@ -229,9 +326,71 @@ class RemoteEngine(ChatText):
             pass
         return s.result
 
+    def _chat_stream(self, prompt, params: SamplingParams, native: dict) -> RemoteStream:
+        """A chat completion of `prompt`'s messages. The prompt's bound (budget.upper) must
+        leave the server's window room for a reply: recalled notes go first, the least relevant
+        first, where it would not (the assembly fits the budget, so only a window smaller
+        than the budget's bound assumed, or a factor calibrated above it, comes here)."""
+        segs = [prompt] if isinstance(prompt, str) else list(prompt)
+        if segs and not isinstance(segs[0], str | Segment):
+            segs = [self.render(segs)]
+        counts = [self.count_tokens(s if isinstance(s, str) else s.text) for s in segs]
+        n, window, dropped = sum(counts), self.server_context, 0
+        if n == 0:
+            raise EmptyPrompt("the prompt is empty")
+        while self.budget.upper(n) >= window:
+            i = next((i for i, s in enumerate(segs) if getattr(s, "tier", "") == "recall" and getattr(s, "ref", "")
+                      and not str(s.ref).startswith("recall:")), None)
+            if i is None:
+                raise PromptTooLong(self.budget.upper(n), window - 1)
+            n -= counts.pop(i)
+            segs.pop(i)
+            dropped += 1
+        messages = to_messages(segs if not (len(segs) == 1 and isinstance(segs[0], str)) else segs[0], self.chat)
+        if not messages:
+            raise EmptyPrompt("the prompt has no message")
+        if self._dialect is None:
+            self._dialect = _dialect(self.http)
+        body = {"model": self.model_id, "messages": messages, **sampling_body(params, self._dialect or "openai"),
+                "stream": True, "stream_options": {"include_usage": True}}
+        body["max_tokens"] = min(params.max_tokens, window - self.budget.upper(n))
+        body |= {k: v for k, v in native.items() if v is not None}
+        if self._stream_usage is not True and len(self.budget._ratios) < CALIBRATION_PROBES:
+            self._calibrate(body, n)
+        for f in self._dropped_fields:
+            body.pop(f, None)
+        start = time.perf_counter()
+        try:
+            r = self._request("POST", "/v1/chat/completions", json=body, stream=True)
+        except EngineRefused as exc:
+            if exc.param not in ("stream_options",):
+                raise
+            self._dropped_fields.add(exc.param)  # usage in a stream is a nicety; the reply is not
+            body.pop(exc.param)
+            r = self._request("POST", "/v1/chat/completions", json=body, stream=True)
+        s = RemoteStream(self, r, n, start, chat=True)
+        s.extra = {"api": "chat", "messages": len(messages), "dropped_notes": dropped,
+                   "bound_tokens": self.budget.upper(n), "window": window}
+        return s
+
+    def _calibrate(self, body: dict, counted: int) -> None:
+        """Ask the server to count this prompt (a one-token reply, not streamed: every server
+        reports usage there) and calibrate the budget with it. The request warms the server's
+        prefix cache for the real one that follows, so it costs one token's work there."""
+        probe = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "tools", "tool_choice",
+                                                               "response_format")}
+        probe |= {"max_tokens": 1, "stream": False}
+        try:
+            r = self.http.post("/v1/chat/completions", json=probe)
+            usage = r.json().get("usage") or {} if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return  # the real request will say what is wrong
+        self.budget.observe(counted, usage.get("prompt_tokens"))
+
     def _request(self, method: str, path: str, stream: bool = False, **kw) -> httpx.Response:
         """One call with retries: connection failures and 429/5xx answers are retried with
-        exponential backoff; other 4xx answers are the caller's error and are not."""
+        exponential backoff; other 4xx answers are the caller's error and are not
+        (`EngineRefused`, naming the parameter the server's answer names)."""
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -247,7 +406,7 @@ class RemoteEngine(ChatText):
             r.close()
             last = f"HTTP {r.status_code}: {detail}"
             if r.status_code not in RETRY_STATUS:
-                raise EngineUnavailable(f"the inference server at {self.url} refused {method} {path}: {last}")
+                raise refusal_error(self.url, r.status_code, detail, kw.get("json") or {}, f"{method} {path}")
         raise EngineUnavailable(f"the inference server at {self.url} is unreachable after {self.retries + 1} "
                                 f"tries ({method} {path}): {last}")
 
@@ -256,8 +415,13 @@ class RemoteStream:
     """Text pieces from a streamed completion; `.result` once exhausted. Closing it early
     closes the connection, which makes the server stop generating."""
 
-    def __init__(self, engine: RemoteEngine, response: httpx.Response, prompt_tokens: int, start: float):
+    def __init__(self, engine: RemoteEngine, response: httpx.Response, prompt_tokens: int, start: float,
+                 chat: bool = False):
         self._engine, self._response = engine, response
+        self._chat = chat
+        self._tools = ToolCalls()
+        self._refusal = ""
+        self.extra: dict = {}
         self._lines = response.iter_lines()
         self._start = start
         self._prompt_tokens = prompt_tokens
@@ -304,7 +468,13 @@ class RemoteStream:
             self._timings = chunk.get("timings") or self._timings
             for choice in chunk.get("choices") or []:
                 self._finish = choice.get("finish_reason") or self._finish
-                piece = choice.get("text") or ""
+                if self._chat:
+                    delta = choice.get("delta") or choice.get("message") or {}
+                    self._tools.feed(delta.get("tool_calls"))
+                    self._refusal += delta.get("refusal") or ""
+                    piece = delta.get("content") or ""
+                else:
+                    piece = choice.get("text") or ""
                 if piece:
                     if self._ttft is None:
                         self._ttft = time.perf_counter() - self._start
@@ -316,18 +486,25 @@ class RemoteStream:
         self._response.close()
         text = "".join(self._parts)
         u, t = self._usage, self._timings
-        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if cached is None and "cache_n" in t:
-            cached = t["cache_n"]
+        cached = cached_tokens(u, t)
+        if self._chat:
+            self._engine._stream_usage = bool(u.get("prompt_tokens"))
+            self._engine.budget.observe(self._prompt_tokens, u.get("prompt_tokens"))
+            if self._refusal or self._finish == "content_filter":
+                why = self._refusal or "its content filter stopped the reply"
+                raise EngineRefused(f"the inference server at {self._engine.url} refused to answer: {why}")
         prompt = u.get("prompt_tokens") or self._prompt_tokens
         completion = u.get("completion_tokens") or self._engine.count_tokens(text)
         ttft = self._ttft if self._ttft is not None else total
         server = {"url": self._engine.url, "model": self._engine.model_id, "prompt_tokens": u.get("prompt_tokens"),
                   "completion_tokens": u.get("completion_tokens"), "cached_tokens": cached, "ttft_s": ttft}
+        if self._chat:
+            server |= self.extra | {"counted_tokens": self._prompt_tokens, "budget": self._engine.budget.to_dict()}
+        tools = self._tools.result()
+        finish = self._finish if self._finish in ("length", "cancelled") else "tool_calls" if tools else "stop"
         stats = RemoteStats(prompt_tokens=prompt, completion_tokens=completion, reused_tokens=cached or 0,
                             prefilled_tokens=prompt - (cached or 0), ttft_s=ttft, total_s=total,
-                            finish_reason=self._finish if self._finish in ("length", "cancelled") else "stop",
-                            server=server)
+                            finish_reason=finish, server=server, tool_calls=tools)
         self.result = Generation(text, self._engine.encode(text), stats)
 
     def close(self) -> None:
@@ -335,6 +512,12 @@ class RemoteStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _configured_sampling(config: Config) -> dict:
+    """The AGENTMEM_SAMPLE_* settings given: a chat model's defaults beside its server's own."""
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    return {n: getattr(config, f"sample_{n}") for n in names if getattr(config, f"sample_{n}") is not None}
 
 
 def _window_from(path: Path) -> int:
