@@ -110,7 +110,7 @@ class AgentSession:
 
     def chat_stream(self, text: str | bytes, params: SamplingParams | None = None, *legacy,
                     question_aware_tokens: int | None = None, extra_system: str | None = None,
-                    **overrides) -> Iterator[str]:
+                    native: dict | None = None, **overrides) -> Iterator[str]:
         """Reply to `text` as an iterator of text pieces; the reply is stored and `last_turn`
         set when it is exhausted. The user's message is committed first, before this returns.
 
@@ -121,12 +121,13 @@ class AgentSession:
         may not repeat `config.copy_guard_ngram` tokens in a row of an earlier reply of this
         session (`copy_ngram`). Bad values raise `InvalidSampling` before anything is stored.
         `extra_system` is appended to the system segment for this turn (tool definitions).
+        `native`: request fields a chat engine's server takes as they are (api/native.py).
         `question_aware_tokens`: compress the recalled memories against `text` to about that
         many tokens (LongLLMLingua); their cached KV cannot be reused for this turn.
         Positional max_tokens and temperature after `text` (the older signature) still work, with
         a DeprecationWarning."""
         params, qat = self._params(params, legacy, overrides)
-        return self._turn(text, params, question_aware_tokens if qat is None else qat, extra_system)[1]
+        return self._turn(text, params, question_aware_tokens if qat is None else qat, extra_system, native)[1]
 
     def _params(self, params, legacy: tuple, overrides: dict) -> tuple[SamplingParams, int | None]:
         """The turn's sampling, `params` (or the model's defaults) with `overrides` on top, and
@@ -153,7 +154,7 @@ class AgentSession:
         return params.validate(), qat
 
     def _turn(self, text: str | bytes, params: SamplingParams, question_aware_tokens: int | None = None,
-              extra_system: str | None = None):
+              extra_system: str | None = None, native: dict | None = None):
         """The turn of `chat` and `chat_stream`: (the engine's generation, its pieces as stored)."""
         with self._lock:
             text = clean_text(text, "message")
@@ -172,7 +173,7 @@ class AgentSession:
             if params.copy_ngram:
                 earlier = [self.engine.encode(m.text) for m in self.working.queue if m.role == "assistant"]
                 params = replace(params, copy_sources=earlier).validate()
-            gen = self.engine.stream(ctx.prompt, params)
+            gen = self.engine.stream(ctx.prompt, params, **({"native": native} if native else {}))
         return gen, self._finish(gen, ctx, user_msg[0], evicted)
 
     def _finish(self, gen, ctx: Context, user_msg: Message, evicted: list[int]) -> Iterator[str]:

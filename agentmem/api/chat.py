@@ -26,6 +26,7 @@ from ..engine.sampler import with_defaults
 from ..tiers.store import default_session_id
 from .errors import ApiError
 from .limits import Limits
+from .native import native_fields
 from .reply_format import ReplyFormat, plan, render_message
 from .schemas import ChatCompletionRequest, storable
 
@@ -48,6 +49,7 @@ class TurnResult(ReuseShare):
     memories_used: list[str] = field(default_factory=list)
     engine_finish: str = ""  # the engine's reason, "repetition" included
     logprobs: list | None = None  # per token: (id, logprob, [(id, logprob)])
+    tool_calls: list[dict] | None = None  # a chat engine's provider's own calls (api/native.py)
 
 
 @dataclass
@@ -61,7 +63,7 @@ def _from_stats(stats, text: str, session_id: str | None, memories: list[str], l
                       reused_tokens=stats.reused_tokens, recomputed_tokens=getattr(stats, "recomputed_tokens", 0),
                       prefilled_tokens=getattr(stats, "prefilled_tokens", 0), ttft_s=stats.ttft_s,
                       finish_reason=_finish(getattr(stats, "finish_reason", "stop")), session_id=session_id,
-                      memories_used=memories)
+                      memories_used=memories, tool_calls=getattr(stats, "tool_calls", None))
 
 
 def _finish(reason: str) -> str:
@@ -112,7 +114,8 @@ class ChatService:
     def reply_format(self, req: ChatCompletionRequest) -> ReplyFormat:
         """What the reply must be (prose, tool call, JSON); a bad tool or schema is a 400."""
         engine = self.engine()
-        return plan(req, getattr(engine, "grammars", None))
+        fmt = plan(req, getattr(engine, "grammars", None))
+        return ReplyFormat() if native_fields(req, engine) is not None else fmt  # the provider's own
 
     def sampling(self, req: ChatCompletionRequest, max_tokens: int, fmt: ReplyFormat | None = None):
         """The request's sampling on top of the model's defaults (OpenAI names)."""
@@ -182,11 +185,12 @@ class ChatService:
                 messages.insert(0, {"role": "system", "content": fmt.system})
         segments = [replace(s, namespace=tenant_id) for s in engine.chat_segments(messages)]
         params = self.sampling(req, max_tokens, fmt)
+        native = native_fields(req, engine)
         done: dict[str, TurnResult] = {}
 
         def pieces() -> Iterator[str]:
             with self._one_at_a_time():
-                stream = engine.stream(segments, params)
+                stream = engine.stream(segments, params, **({"native": native} if native is not None else {}))
                 try:
                     yield from stream
                 finally:
@@ -207,6 +211,9 @@ class ChatService:
         kw = {k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                          "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
                                          "top_logprobs", "stop", "seed", "grammar")}
+        native = native_fields(req, self.engine())
+        if native is not None:
+            kw["native"] = native
         done: dict[str, TurnResult] = {}
 
         def pieces() -> Iterator[str]:

@@ -70,6 +70,8 @@ def _logprobs(r: TurnResult, svc) -> dict | None:
 
 
 def _message(text: str, r: TurnResult, fmt: ReplyFormat) -> tuple[AssistantMessage, str]:
+    if r.tool_calls:  # a chat engine's provider made them (api/native.py)
+        return AssistantMessage(content=text or None, tool_calls=r.tool_calls), "tool_calls"
     calls, content, finish = read_reply(text, fmt, r.engine_finish or r.finish_reason)
     return AssistantMessage(content=content, tool_calls=calls or None), finish
 
@@ -157,6 +159,9 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
         content, finish = ending(reader, r.engine_finish or r.finish_reason)
         if content:
             yield _chunk(cid, model, {"content": content})
+        for i, call in enumerate(r.tool_calls or []):  # a chat engine's provider's own calls
+            yield _chunk(cid, model, {"tool_calls": [{"index": i, **call}]})
+            finish = "tool_calls"
         lp = _logprobs(r, svc)
         yield _chunk(cid, model, {}, finish, lp, session_id=r.session_id, agentmem=_extras(r).model_dump())
         if req.stream_options and req.stream_options.include_usage:

@@ -178,11 +178,12 @@ class RemoteEngine(ChatText):
     @property
     def server_context(self) -> int:
         """The server's context window, in its tokens."""
-        if self._ask_window:
+        if self._ask_window and time.monotonic() >= self._probe_at:
             try:
                 found = server_window(self.http, self._model)
-            except httpx.HTTPError:
-                found = None
+            except httpx.TransportError:  # away: the configured window meanwhile, asked again later
+                self._probe_at = time.monotonic() + PROBE_AGAIN_S
+                return self._window
             self._ask_window = False
             self._window = found or self._window
         return self._window
@@ -346,7 +347,9 @@ class RemoteEngine(ChatText):
             n -= counts.pop(i)
             segs.pop(i)
             dropped += 1
-        messages = to_messages(segs if not (len(segs) == 1 and isinstance(segs[0], str)) else segs[0], self.chat)
+        # the request's own messages where a caller sends them as they are (api/native.py)
+        messages = native.get("messages") or to_messages(
+            segs if not (len(segs) == 1 and isinstance(segs[0], str)) else segs[0], self.chat)
         if not messages:
             raise EmptyPrompt("the prompt has no message")
         if self._dialect is None:
@@ -354,7 +357,7 @@ class RemoteEngine(ChatText):
         body = {"model": self.model_id, "messages": messages, **sampling_body(params, self._dialect or "openai"),
                 "stream": True, "stream_options": {"include_usage": True}}
         body["max_tokens"] = min(params.max_tokens, window - self.budget.upper(n))
-        body |= {k: v for k, v in native.items() if v is not None}
+        body |= {k: v for k, v in native.items() if v is not None and k != "messages"}
         if self._stream_usage is not True and len(self.budget._ratios) < CALIBRATION_PROBES:
             self._calibrate(body, n)
         for f in self._dropped_fields:

@@ -84,12 +84,17 @@ def server_window(http: httpx.Client, model: str | None) -> int | None:
     where it states none: vLLM's and SGLang's `/v1/models` (`max_model_len`), OpenRouter's
     and Together's (`context_length`), LM Studio's `/api/v0/models` (`max_context_length`),
     llama.cpp's server's `/props` (`default_generation_settings.n_ctx`). llama-cpp-python's
-    server states none: give `engine_context` there."""
+    server states none: give `engine_context` there. A server that cannot be reached raises
+    httpx.TransportError."""
     keys = ("max_model_len", "context_length", "max_context_length", "context_window")
     for path in ("/v1/models", "/api/v0/models"):
         try:
             r = http.get(path)
             data = r.json().get("data") if r.status_code == 200 else None
+        except httpx.TransportError:
+            if path == "/v1/models":
+                raise  # the server is away: ask again later
+            continue
         except (httpx.HTTPError, ValueError, AttributeError):
             continue
         cards = [c for c in data or [] if isinstance(c, dict)]

@@ -36,7 +36,7 @@ class FakeProvider:
         self.refusal: str | None = None
 
     def count(self, messages: list[dict]) -> int:
-        text = "".join(self.engine.format_message(m["role"], m["content"]) for m in messages)
+        text = "".join(self.engine.format_message(m["role"], m["content"] or "") for m in messages)
         return round(self.engine.count_tokens(text) * self.ratio) + 3
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -206,3 +206,54 @@ def test_window_from_metadata_and_notes_dropped_to_fit(engine):
     with pytest.raises(PromptTooLong):
         _remote(engine, tiny, ask_window=True).generate(_turn(engine), max_tokens=8)
     assert not tiny.requests  # refused here, before the server could answer 400
+
+
+def test_rest_service_fronting_a_chat_engine_passes_tools_through(engine, embedder, tmp_path):
+    """An agent framework calling `agentmem serve`: the provider's own tool calls come back,
+    with the user's memory added to the prompt it got."""
+    from agentmem.api import create_app, create_tenant_with_key
+    from agentmem.api.local import LocalServer
+    from agentmem.config import Config
+    from agentmem.tiers import MemoryStore
+
+    fake = FakeProvider(engine)
+    remote = _remote(engine, fake)
+    cfg = Config(data_dir=tmp_path, engine_url="http://fake")
+    store = MemoryStore(cfg, embedder=embedder)
+    _, key = create_tenant_with_key(store, "acme")
+    tools = [{"type": "function", "function": {"name": "book_table", "description": "Book a restaurant table",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    auth = {"Authorization": f"Bearer {key}"}
+    with LocalServer(create_app(cfg, engine=remote, store=store, ui=False)) as api:
+        def post(**body):
+            return httpx.post(api.url + "/v1/chat/completions", headers=auth, timeout=60,
+                              json={"model": "fake-model", "max_tokens": 32, **body})
+
+        assert post(user="dan", messages=[{"role": "user", "content": "I live in Porto now."}]).status_code == 200
+        fake.reply, fake.tool_calls = [], [{"name": "book_table", "arguments": '{"city": "Porto"}'}]
+        r = post(user="dan", tools=tools, tool_choice="auto",
+                 messages=[{"role": "user", "content": "Book me a table in the city I live in."}])
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["tool_calls"][0]["function"] == {"name": "book_table", "arguments": '{"city": "Porto"}'}
+        sent = fake.requests[-1]
+        assert sent["tools"] == tools and sent["tool_choice"] == "auto"
+        assert "I live in Porto now." in sent["messages"][-1]["content"]  # memory in the prompt
+        assert not any("<tool_call>" in m["content"] for m in sent["messages"])  # no grammar prompt of our own
+        # streamed, and stateless: the request's own messages, tool results included, as they are
+        history = [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "book_table", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+        with httpx.stream("POST", api.url + "/v1/chat/completions", headers=auth, timeout=60,
+                          json={"model": "fake-model", "max_tokens": 32, "stream": True, "tools": tools,
+                                "messages": history}) as s:
+            chunks = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data: {")]
+        calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+        assert calls and calls[0][0]["function"]["name"] == "book_table"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert fake.requests[-1]["messages"][1]["tool_calls"][0]["id"] == "c1"
+        assert fake.requests[-1]["messages"][2] == {"role": "tool", "content": "done", "tool_call_id": "c1"}
+    store.close()
