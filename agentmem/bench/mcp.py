@@ -8,7 +8,11 @@ reply), timed at the caller three ways in one run:
 - over stdio, the official `mcp` client talking to an `agentmem mcp` child process;
 - over streamable HTTP, the same client against an `agentmem serve` child process's `/mcp`.
 Each server process loads its own copy of the user's index, so every path gets warm-up calls
-that are not timed. The protocol's overhead is a path's p50 minus the Python API's.
+that are not timed. The three paths run side by side and every call is made on each of them
+back to back, in a random order, so that the machine's other load falls on all of them alike.
+The MCP calls name the session, as the Python calls do, so both do the same work.
+The protocol's overhead is a path's p50 minus the Python API's (`overhead_p50_ms`, the
+target's measure); `overhead_paired_median_ms` is the median of the back-to-back differences.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import numpy as np
@@ -53,46 +58,84 @@ def _child_env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-async def _time_mcp(client, user_args: dict, queries: list[str], turns: list[list[dict]]) -> dict:
-    async def call(name: str, args: dict) -> float:
+def _plain(turn: list[dict]) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in turn]
+
+
+class _Mcp:
+    """One MCP client session; `time` calls a tool and returns the seconds it took at the caller."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def time(self, name: str, args: dict) -> float:
         t0 = time.perf_counter()
-        r = await client.call_tool(name, {**args, **user_args})
+        r = await self.client.call_tool(name, args)
         spent = time.perf_counter() - t0
         if r.is_error:
             raise RuntimeError(f"{name} failed: {r.content[0].text}")
         return spent
 
-    for q in queries[:WARMUP]:
-        await call("search_memory", {"query": q, "k": K})
-    search = [await call("search_memory", {"query": q, "k": K}) for q in queries]
-    add = [await call("add_messages", {"messages": _plain(t)}) for t in turns]
-    await call("search_memory", {"query": queries[0], "k": K})  # the added turns are searchable
-    return {"search_memory": _ms(search), "add_messages": _ms(add)}
+
+class _Python:
+    """The peer: the same work through the Python API, in this process."""
+
+    def __init__(self, store, tenant: str, user: str):
+        self.store, self.tenant, self.user = store, tenant, user
+
+    async def time(self, name: str, args: dict) -> float:
+        t0 = time.perf_counter()
+        if name == "search_memory":
+            self.store.search(self.tenant, self.user, args["query"], args["k"])
+        else:
+            self.store.add_messages(self.tenant, self.user, args["session_id"], args["messages"])
+        return time.perf_counter() - t0
 
 
-def _plain(turn: list[dict]) -> list[dict]:
-    return [{"role": m["role"], "content": m["content"]} for m in turn]
-
-
-async def _stdio(data: Path, tenant: str, user: str, queries, turns) -> dict:
+async def _stdio_client(stack: AsyncExitStack, data: Path, tenant: str, user: str) -> _Mcp:
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
 
     params = StdioServerParameters(command=sys.executable, env=_child_env(), args=[
         "-m", "agentmem.cli", "mcp", "--user", user, "--tenant", tenant, "--data-dir", str(data)])
-    async with Client(params, read_timeout_seconds=600) as client:
-        return await _time_mcp(client, {}, queries, turns)
+    return _Mcp(await stack.enter_async_context(Client(params, read_timeout_seconds=600)))
 
 
-async def _http(url: str, key: str, user: str, queries, turns) -> dict:
+async def _http_client(stack: AsyncExitStack, url: str, key: str, user: str) -> _Mcp:
     import httpx2  # the mcp client's HTTP library
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
     headers = {"Authorization": f"Bearer {key}", "X-Agentmem-User": user}
-    async with httpx2.AsyncClient(headers=headers, timeout=600) as http:
-        async with Client(streamable_http_client(url, http_client=http), read_timeout_seconds=600) as client:
-            return await _time_mcp(client, {}, queries, turns)
+    http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers, timeout=600))
+    return _Mcp(await stack.enter_async_context(
+        Client(streamable_http_client(url, http_client=http), read_timeout_seconds=600)))
+
+
+async def _interleaved(paths: dict, queries: list[str], turns: list[list[dict]], sid: str, seed: int) -> dict:
+    """Every call is made on every path back to back, in a fresh random order each time, so
+    that whatever else the machine is doing falls on all the paths alike."""
+    rng = random.Random(seed)
+    times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in CALLS} for p in paths}
+
+    async def each(name: str, args_for, timed: bool) -> None:
+        order = list(paths)
+        rng.shuffle(order)
+        for p in order:
+            spent = await paths[p].time(name, args_for(p))
+            if timed:
+                times[p][name].append(spent)
+
+    for q in queries[:WARMUP]:
+        await each("search_memory", lambda p, q=q: {"query": q, "k": K}, False)
+    for q in tqdm(queries, desc="search_memory", file=sys.stderr):
+        await each("search_memory", lambda p, q=q: {"query": q, "k": K}, True)
+    per_path = {p: iter(turns[i::len(paths)]) for i, p in enumerate(paths)}  # each path stores its own turns
+    for _ in tqdm(range(len(queries)), desc="add_messages", file=sys.stderr):
+        await each("add_messages", lambda p: {"messages": _plain(next(per_path[p])), "session_id": sid}, True)
+    for p in paths:  # what was added is searchable on every path
+        await paths[p].time("search_memory", {"query": queries[0], "k": K})
+    return times
 
 
 def _serve(data: Path, port: int) -> subprocess.Popen:
@@ -124,7 +167,7 @@ def measure(messages: int, calls: int, seed: int, data: Path) -> dict:
     rng = random.Random(seed)
     queries = [rng.choice(questions) for _ in range(calls)]
     extra = history[messages:]
-    turns = [extra[i:i + 2] for i in range(0, 2 * 3 * calls, 2)]
+    turns = [extra[i:i + 2] for i in range(0, 2 * 3 * calls, 2)]  # 3 paths x calls exchanges
     config = Config(data_dir=data, embed_bulk_nice=0)  # the set-up's indexing at full priority
     store = MemoryStore(config)
     tenant, key = create_tenant_with_key(store, "bench-mcp")
@@ -139,36 +182,29 @@ def measure(messages: int, calls: int, seed: int, data: Path) -> dict:
     store.search(tenant, user, queries[0], K)  # embeds the history
     index_s = time.perf_counter() - t0
 
-    for q in queries[:WARMUP]:
-        store.search(tenant, user, q, K)
-    search, add = [], []
-    for q in tqdm(queries, desc="python search", file=sys.stderr):
-        t0 = time.perf_counter()
-        store.search(tenant, user, q, K)
-        search.append(time.perf_counter() - t0)
-    for t in turns[:calls]:
-        t0 = time.perf_counter()
-        store.add_messages(tenant, user, sid, _plain(t))
-        add.append(time.perf_counter() - t0)
-    store.search(tenant, user, queries[0], K)
-    result = {"python": {"search_memory": _ms(search), "add_messages": _ms(add)}}
-    store.close()
-
-    print("stdio ...", file=sys.stderr)
-    result["stdio"] = asyncio.run(_stdio(data, tenant, user, queries, turns[calls:2 * calls]))
     port = _free_port()
     proc = _serve(data, port)
     try:
-        print("http ...", file=sys.stderr)
-        result["http"] = asyncio.run(_http(f"http://127.0.0.1:{port}/mcp", key, user, queries,
-                                           turns[2 * calls:3 * calls]))
+        async def run() -> dict:
+            async with AsyncExitStack() as stack:
+                print("starting the stdio server and connecting ...", file=sys.stderr)
+                paths = {"python": _Python(store, tenant, user),
+                         "stdio": await _stdio_client(stack, data, tenant, user),
+                         "http": await _http_client(stack, f"http://127.0.0.1:{port}/mcp", key, user)}
+                return await _interleaved(paths, queries, turns, sid, seed)
+
+        times = asyncio.run(run())
     finally:
         proc.terminate()
         proc.wait(30)
+        store.close()
+    result = {p: {c: _ms(times[p][c]) for c in CALLS} for p in times}
+    paired = {p: {c: round(float(np.median(np.subtract(times[p][c], times["python"][c]))) * 1000, 3)
+                  for c in CALLS} for p in ("stdio", "http")}
     overhead = {path: {c: round(result[path][c]["p50_ms"] - result["python"][c]["p50_ms"], 3) for c in CALLS}
                 for path in ("stdio", "http")}
     return {"bench": "mcp", "messages": messages, "calls": calls, "k": K, "index_s": round(index_s, 2), **result,
-            "overhead_p50_ms": overhead, "target_overhead_p50_ms": TARGET_OVERHEAD_MS,
+            "overhead_p50_ms": overhead, "overhead_paired_median_ms": paired, "target_overhead_p50_ms": TARGET_OVERHEAD_MS,
             "meets_target": all(v <= TARGET_OVERHEAD_MS for o in overhead.values() for v in o.values())}
 
 

@@ -40,6 +40,7 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations  # noqa: E402
 from ..api.limits import Limits  # noqa: E402 (the REST service's: one call carries what one request may)
 from ..config import Config  # noqa: E402
 from ..tiers.records import Conflict, Hit, InvalidInput, Memory, NotFound  # noqa: E402
+from ..tiers.scope import check_id  # noqa: E402
 from ..tiers.store import MemoryStore  # noqa: E402
 
 MAX_K = 100
@@ -91,12 +92,18 @@ class MemoryTools:
             raise ToolError(f"{len(messages)} messages; at most {self.limits.max_messages} per call")
         for i, m in enumerate(messages):
             self._text(m.content, f"messages[{i}].content")
-        sid = session_id or self.store.latest_session(tenant, user)
-        info = self.store.open_session(tenant, user, sid)
-        stored = self.store.add_messages(tenant, user, info.id, [m.model_dump(exclude_none=True) for m in messages])
+        rows = [m.model_dump(exclude_none=True) for m in messages]
+        sid = session_id or self.store.latest_session(tenant, user) or self.store.open_session(tenant, user).id
+        try:  # the common case, an existing session, costs the insert alone (open_session counts its messages)
+            stored = self.store.add_messages(tenant, user, sid, rows)
+        except NotFound:
+            if session_id is None:
+                raise
+            sid = self.store.open_session(tenant, user, session_id).id  # a conversation the caller starts
+            stored = self.store.add_messages(tenant, user, sid, rows)
         ids = [m.id for m in stored]
-        return ({"session_id": info.id, "message_ids": ids},
-                f"Stored {len(ids)} message{'s' * (len(ids) != 1)} in session {info.id}.")
+        return ({"session_id": sid, "message_ids": ids},
+                f"Stored {len(ids)} message{'s' * (len(ids) != 1)} in session {sid}.")
 
     def search_memory(self, tenant: str, user: str, query: str, k: int, since: datetime | None,
                       until: datetime | None) -> tuple[dict, str]:
@@ -213,6 +220,7 @@ def build_server(tools: MemoryTools, caller: Callable[[Context, str | None], tup
     async def call(ctx: Context, user_id: str | None, work: Callable[..., tuple[dict, str]], *args) -> CallToolResult:
         tenant, user = caller(ctx, user_id)
         try:
+            check_id(user, "user_id")  # the REST service's id alphabet: what MCP stores, REST can delete
             data, text = await asyncio.to_thread(work, tenant, user, *args)
         except (InvalidInput, NotFound, Conflict) as exc:
             raise ToolError(str(exc)) from None

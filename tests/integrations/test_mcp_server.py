@@ -191,3 +191,32 @@ def test_without_the_extra_the_import_and_the_endpoint_name_it(monkeypatch, tmp_
     app = create_app(Config(data_dir=tmp_path), ui=False)
     r = TestClient(app).post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
     assert r.status_code == 501 and "agentmem[mcp]" in r.json()["error"]["message"]
+
+
+def test_add_messages_continues_names_or_starts_a_session(tmp_path):
+    """Without session_id the user's latest conversation continues (a new one when there is
+    none); a session_id the user has is appended to, an unknown one starts that conversation,
+    and another user's session of the same id is never written to."""
+    from agentmem.config import Config
+    from agentmem.integrations.mcp_server import MemoryTools, MessageIn
+    from agentmem.tiers.store import MemoryStore
+
+    store = MemoryStore(Config(data_dir=tmp_path))
+    try:
+        tools = MemoryTools(store, lambda: None, store.config)
+
+        def add(user, text, sid=None):
+            return tools.add_messages("t", user, [MessageIn(role="user", content=text)], sid)[0]["session_id"]
+
+        first = add("ann", "hello")
+        assert add("ann", "again") == first
+        assert add("ann", "in a named one", "trip-2027") == "trip-2027"
+        assert add("ann", "more of it", "trip-2027") == "trip-2027"
+        assert add("bob", "mine", "trip-2027") == "trip-2027"
+        texts = {u: [m.text for m in store.session_messages("t", u, "trip-2027")] for u in ("ann", "bob")}
+        assert texts == {"ann": ["in a named one", "more of it"], "bob": ["mine"]}
+        assert [m.text for m in store.session_messages("t", "ann", first)] == ["hello", "again"]
+        with pytest.raises(Exception, match="session_id"):
+            add("ann", "x", "a/../b")
+    finally:
+        store.close()
