@@ -162,7 +162,7 @@ class Config(BaseSettings):
     # embedded; beside a remote engine, the default model loaded in this process: they read
     # the model's tensors, which a server does not expose) | "remote" (facts and supersessions
     # extracted by the remote engine's server with JSON-schema output, batched: reflect/remote.py;
-    # compression stays local) | "none" (no model: the fact templates alone, no compression)
+    # no compression, which needs the tensors) | "none" (no model: the fact templates alone, no compression)
     reflect_engine: str = "local"
     engine_timeout_s: float = 120.0  # per read; connecting gives up after 5 s
     engine_retries: int = 3  # for calls that generated nothing yet, with exponential backoff

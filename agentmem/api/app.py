@@ -93,9 +93,16 @@ class Services:
         from ..compress import Compressor
         from ..reflect.trigger import ReflectionScheduler
 
-        if self.config.reflect_engine not in ("local", "none"):
-            raise ValueError(f"AGENTMEM_REFLECT_ENGINE must be local or none, got {self.config.reflect_engine!r}")
-        if self.config.reflect_engine == "none":
+        if self.config.reflect_engine not in ("local", "remote", "none"):
+            raise ValueError("AGENTMEM_REFLECT_ENGINE must be local, remote or none, got "
+                             f"{self.config.reflect_engine!r}")
+        if self.config.reflect_engine == "remote":  # the remote engine's server extracts (reflect/remote.py)
+            from ..reflect.remote import remote_extractor
+
+            self.reflection = ReflectionScheduler(self.store, None, every_turns=every_turns, idle_s=idle_s,
+                                                  poll_s=poll_s, use_model=False,
+                                                  extractor=remote_extractor(self.config, self.engine))
+        elif self.config.reflect_engine == "none":
             self.reflection = ReflectionScheduler(self.store, None, every_turns=every_turns, idle_s=idle_s,
                                                   poll_s=poll_s, use_model=False)
         else:

@@ -152,11 +152,7 @@ class RemoteEngine(ChatText):
         if not self._resolved:
             has_route = False
             if self._api is None:
-                try:
-                    self._request("POST", "/v1/completions", json={}).close()
-                    has_route = True
-                except EngineRefused as exc:
-                    has_route = exc.status not in (404, 405)
+                has_route = self._has_route("/v1/completions")
             known = self._exact or self._server_counts_as_local()
             if known and not self._exact:
                 self._exact, self.budget = True, TokenBudget(True)
@@ -167,6 +163,20 @@ class RemoteEngine(ChatText):
                 if not known:  # another model's card does not fit: only the AGENTMEM_SAMPLE_* settings
                     self.sampling_defaults = dict(self._chat_defaults)
         return self._api
+
+    def _has_route(self, path: str) -> bool:
+        """Whether the server routes `path`: an empty request is answered 404 or 405 where it
+        does not, and a validation error (llama-cpp-python's is a 500) where it does."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                return self.http.post(path, json={}).status_code not in (404, 405)
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+        raise EngineUnavailable(f"the inference server at {self.url} is unreachable after {self.retries + 1} "
+                                f"tries (POST {path}): {last}")
 
     def _server_counts_as_local(self) -> bool:
         if self._tokenize_endpoint() is None:
@@ -199,6 +209,14 @@ class RemoteEngine(ChatText):
         if api == "chat":
             return self.budget.window(self.server_context)
         return self.server_context
+
+    @property
+    def dialect(self) -> str:
+        """"llama" (llama.cpp's servers) or "openai": the names of sampling settings and
+        structured output the server takes; asked once it answers."""
+        if self._dialect is None:
+            self._dialect = _dialect(self.http)
+        return self._dialect or "openai"
 
     @property
     def native_tools(self) -> bool:
@@ -315,9 +333,7 @@ class RemoteEngine(ChatText):
             body["stop"] = params.stop
         if params.seed is not None:
             body["seed"] = params.seed
-        if self._dialect is None:
-            self._dialect = _dialect(self.http)
-        body |= _sampling_fields(params, self._dialect or "openai")
+        body |= _sampling_fields(params, self.dialect)
         start = time.perf_counter()
         return RemoteStream(self, self._request("POST", "/v1/completions", json=body, stream=True), n, start)
 
@@ -352,9 +368,7 @@ class RemoteEngine(ChatText):
             segs if not (len(segs) == 1 and isinstance(segs[0], str)) else segs[0], self.chat)
         if not messages:
             raise EmptyPrompt("the prompt has no message")
-        if self._dialect is None:
-            self._dialect = _dialect(self.http)
-        body = {"model": self.model_id, "messages": messages, **sampling_body(params, self._dialect or "openai"),
+        body = {"model": self.model_id, "messages": messages, **sampling_body(params, self.dialect),
                 "stream": True, "stream_options": {"include_usage": True}}
         body["max_tokens"] = min(params.max_tokens, window - self.budget.upper(n))
         body |= {k: v for k, v in native.items() if v is not None and k != "messages"}

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
         print(f"agentmem reflect: no user {args.user!r} in tenant(s) {tenants}", file=sys.stderr)
         return 1
     engine, compressor = _model(args, config)
+    extractor = _extractor(args, config)
     from .job import reflect
 
     reports = []
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> int:
             compressor=compressor,
             use_model=not args.no_model,
             max_model_sentences=args.max_model_sentences,
+            extractor=extractor,
         )
         print(
             f"reflect {tenant_id}/{user_id}: {r.messages_read} messages, {len(r.facts_added)} facts added, "
@@ -76,8 +78,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _extractor(args, config):
+    """The remote engine's server as the extractor (AGENTMEM_REFLECT_ENGINE=remote), else None."""
+    if args.no_model or config.reflect_engine != "remote":
+        return None
+    from .remote import remote_extractor
+
+    return remote_extractor(config)
+
+
 def _model(args, config):
-    if args.no_model:
+    if args.no_model or config.reflect_engine in ("remote", "none"):
         return None, None
     from ..compress import Compressor
     from ..engine import Engine
@@ -100,6 +111,7 @@ def _watch(args, config, store) -> int:
         compressor=compressor,
         use_model=not args.no_model,
         max_model_sentences=args.max_model_sentences,
+        extractor=_extractor(args, config),
     )
     print(f"agentmem reflect: watching {store.archive.url}", file=sys.stderr)
     sched.start()

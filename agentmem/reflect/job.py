@@ -105,12 +105,15 @@ def reflect(
     kv_reuse: KVPrecompute | None = None,
     hot_memories: int = 8,
     policy: BudgetPolicy | None = None,
+    extractor=None,
 ) -> ReflectReport:
     """Reflect over the user's messages since the last run. `engine` may be None when
     `use_model` is False and no compressor is given (templates only). With a `compressor`,
     every message read and every memory written gets its compressed text; with an engine,
     chunk KV of the hottest memories is precomputed through `agentmem.kvreuse` when it is
-    enabled (or through `kv_reuse`)."""
+    enabled (or through `kv_reuse`). `extractor` replaces the embedded model's (the remote
+    engine's server: reflect/remote.py); one with `prefetch` gets the pass's sentences at
+    once, to ask for them in batches."""
     t0 = time.perf_counter()
     report = ReflectReport(tenant_id, user_id)
     checkpoints = Checkpoints(store.archive.engine)
@@ -121,7 +124,12 @@ def reflect(
     messages = store.archive.messages(tenant_id, user_id, after_id=after)
     report.last_message_id = after
     facts = _UserFacts(store, tenant_id, user_id)
-    extractor = ModelExtractor(engine) if use_model and engine is not None else None
+    if extractor is None and use_model and engine is not None:
+        extractor = ModelExtractor(engine)
+    if hasattr(extractor, "prefetch"):
+        wanted = [(s, m.id, m.time) for m in messages if m.role == "user" for s in sentences(m.text)
+                  if not pattern_facts(s, m.id, m.time) and about_user(s)]
+        extractor.prefetch(wanted[:max_model_sentences] if max_model_sentences is not None else wanted)
     for msg in messages:
         report.messages_read += 1
         if msg.role == "user":
