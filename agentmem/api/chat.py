@@ -21,14 +21,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from ..config import Config
+from ..engine import InvalidSampling
 from ..engine.results import ReuseShare
 from ..engine.sampler import with_defaults
 from ..tiers.store import default_session_id
 from .errors import ApiError
+from .inputs import check_logit_bias, check_texts, sampling_error
 from .limits import Limits
 from .native import native_fields
 from .reply_format import ReplyFormat, plan, render_message
-from .schemas import ChatCompletionRequest, storable
+from .schemas import ChatCompletionRequest
 
 MAX_OPEN_SESSIONS = 256
 
@@ -87,13 +89,11 @@ class ChatService:
         if len(req.messages) > self.limits.max_messages:
             raise ApiError(400, f"at most {self.limits.max_messages} messages per request", code="too_many_messages",
                            param="messages")
+        check_texts(req)
         for i, m in enumerate(req.messages):
-            storable(m.text(), f"messages.{i}.content")
             if len(m.text()) > self.limits.max_message_chars:
                 raise ApiError(400, f"message {i} is longer than {self.limits.max_message_chars} characters",
                                code="message_too_long", param=f"messages.{i}.content")
-        for stop in req.stops():
-            storable(stop, "stop")
         wanted = req.max_completion_tokens or req.max_tokens or self.config.reply_tokens
         if wanted > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens may be at most {self.limits.max_tokens}", code="max_tokens_too_large",
@@ -108,8 +108,15 @@ class ChatService:
         if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
             raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}", code="invalid_sampling",
                            param="temperature")
-        self.sampling(req, wanted).validate()  # InvalidSampling: a 400 naming the field
+        try:
+            self.sampling(req, wanted).validate(self._vocab())
+        except InvalidSampling as exc:
+            raise sampling_error(exc) from None
         return wanted
+
+    def _vocab(self) -> int | None:
+        """The model's vocabulary size where the engine knows it (a remote one may not)."""
+        return getattr(getattr(self.engine(), "grammars", None), "vocab_size", None)
 
     def reply_format(self, req: ChatCompletionRequest) -> ReplyFormat:
         """What the reply must be (prose, tool call, JSON); a bad tool or schema is a 400."""
@@ -119,13 +126,7 @@ class ChatService:
 
     def sampling(self, req: ChatCompletionRequest, max_tokens: int, fmt: ReplyFormat | None = None):
         """The request's sampling on top of the model's defaults (OpenAI names)."""
-        bias = None
-        if req.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in req.logit_bias.items()}
-            except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids", code="invalid_sampling",
-                               param="logit_bias") from None
+        bias = check_logit_bias(req.logit_bias, self._vocab())
         return with_defaults(getattr(self.engine(), "sampling_defaults", {}), **self._sampling_kw(req, max_tokens, fmt),
                              logit_bias=bias)
 

@@ -20,7 +20,8 @@ from ..engine.weights import DEFAULT_MODEL_ID
 from .chat import TurnResult, now
 from .deps import Caller, caller, services
 from .disconnect import until_disconnected
-from .reply_format import CallReader, ReplyFormat, ending, read_reply
+from .errors import ApiError, error_body
+from .reply_format import CallReader, ReplyFormat, ending, read_reply, verify
 from .schemas import (
     AssistantMessage,
     CacheStats,
@@ -104,6 +105,7 @@ def chat_completions(req: ChatCompletionRequest, request: Request, who: Caller =
         r = result()
         m.observe_generation(who.tenant_id, r.prompt_tokens, r.completion_tokens, r.reused_tokens, r.ttft_s)
         message, finish = _message(r.text, r, fmt)  # r.text: a looping reply holds one cycle
+        verify(r.text, fmt, finish)
         return ChatCompletion(id=cid, created=now(), model=_model_id(svc),
                               choices=[Choice(message=message, finish_reason=finish, logprobs=_logprobs(r, svc))],
                               usage=_usage(r), session_id=r.session_id, agentmem=_extras(r))
@@ -157,6 +159,7 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
         for call in last:
             yield _chunk(cid, model, {"tool_calls": [{"index": len(reader.calls) - 1, **call}]})
         content, finish = ending(reader, r.engine_finish or r.finish_reason)
+        verify(r.text, fmt, finish)
         if content:
             yield _chunk(cid, model, {"content": content})
         for i, call in enumerate(r.tool_calls or []):  # a chat engine's provider's own calls
@@ -169,8 +172,10 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
                     "usage": _usage(r).model_dump()}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-    except Exception as exc:  # the status line is gone: report in-band, as OpenAI does
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'api_error'}})}\n\n"
+    except ApiError as exc:  # the status line is gone: report in-band, as OpenAI does
+        yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.code, exc.param))}\n\n"
+    except Exception as exc:
+        yield f"data: {json.dumps(error_body(str(exc), 'api_error', 'stream_failed'))}\n\n"
     finally:
         m.queue.dec()
         _close(pieces)

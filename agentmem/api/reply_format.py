@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..engine.grammar import Grammar, InvalidGrammar
 from .errors import ApiError
 from .roles import prompt_role
+from .schema_check import prepare
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # calls in one reply: a 135M model allowed any number may not stop
@@ -30,6 +31,8 @@ class ReplyFormat:
     tools: dict[str, dict] = field(default_factory=dict)  # name -> parameters schema
     calls: str = "none"  # none | auto | required: whether the reply may / must be a tool call
     parallel: bool = True  # several calls in one reply (OpenAI's parallel_tool_calls)
+    schema: dict | None = None  # what a JSON reply must validate against (response_format)
+    schema_param: str = "response_format"
 
     @property
     def may_call(self) -> bool:
@@ -46,16 +49,23 @@ def _check_schema(schema, param: str, compiler) -> dict:
 
     if not isinstance(schema, dict):
         raise _bad(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+    flat = prepare(schema, param)  # size, depth and $ref cycles first: the checks below recurse
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         raise _bad(f"{param} is not a valid JSON schema: {e.message}", param) from None
     if compiler is not None:
         try:
-            compiler.check(Grammar.json_schema(schema))
+            compiler.check(Grammar.json_schema(flat))
         except InvalidGrammar as e:
-            raise _bad(f"{param}: {e}", param) from None
-    return schema
+            raise _bad(f"{param} cannot be compiled: {_words(e)}", param) from None
+    return flat
+
+
+def _words(e: Exception) -> str:
+    """The grammar engine's reason, without its position and parser state dump."""
+    first = str(e).removeprefix("invalid grammar or schema: ").strip().splitlines()[0]
+    return re.sub(r"^at \d+\(\d+\): ", "", first)
 
 
 def plan(req, compiler) -> ReplyFormat:
@@ -102,11 +112,13 @@ def plan(req, compiler) -> ReplyFormat:
                        "response_format", "unsupported")
         if rf.type == "json_object":
             fmt.grammar, fmt.system = Grammar.json_object(), "Reply with one JSON object and nothing else."
+            fmt.schema, fmt.schema_param = {"type": "object"}, "response_format"
         elif rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise _bad("response_format json_schema needs json_schema.schema", "response_format.json_schema")
             schema = _check_schema(rf.json_schema.schema_, "response_format.json_schema.schema", compiler)
             fmt.grammar = Grammar.json_schema(tighten(schema, max_string=1000))
+            fmt.schema, fmt.schema_param = schema, "response_format.json_schema.schema"
             fmt.system = ("Reply with one JSON value matching this JSON schema, and nothing else:\n"
                           + json.dumps(schema))
         else:
@@ -139,7 +151,9 @@ def tighten(schema, max_string: int = 160):
     if isinstance(schema.get("properties"), dict):
         out["properties"] = {k: tighten(v, max_string) for k, v in schema["properties"].items()}
         out.setdefault("additionalProperties", False)
-    if schema.get("type") == "string" and "enum" not in schema and "const" not in schema:
+    # not with a pattern or format: the grammar engine would have to intersect the two, and
+    # for a pattern such as ^(.*a){20}$ its lexer runs out of states mid-string
+    if schema.get("type") == "string" and not {"enum", "const", "pattern", "format"} & schema.keys():
         out.setdefault("maxLength", max_string)
     return out
 
@@ -239,6 +253,33 @@ def ending(reader: CallReader, engine_finish: str) -> tuple[str | None, str]:
     if finish == "length" and reader.rest.lstrip().startswith(CALL_OPEN):
         return None, "length"
     return reader.rest, finish
+
+
+def verify(text: str, fmt: ReplyFormat, finish: str) -> None:
+    """A reply said to be complete (`finish` "stop") matches what it was decoded under, or
+    a 400: the grammar engine gave up inside the value (its lexer ran out of states on a
+    pattern it cannot bound) and the engine ended the reply there. Never a 200 whose JSON
+    fails its own schema, or a broken tool call sent as prose."""
+    if finish != "stop":
+        return
+    if fmt.schema is not None:
+        import jsonschema_rs
+
+        try:
+            ok = jsonschema_rs.validator_for(fmt.schema).is_valid(json.loads(text))
+        except (ValueError, jsonschema_rs.ValidationError):
+            ok = False
+        if not ok:
+            raise _bad(f"the reply could not be completed under {fmt.schema_param}: the grammar engine cannot "
+                       "bound it (a pattern with nested repetition, say); simplify the schema",
+                       fmt.schema_param, "schema_unsatisfiable")
+    elif fmt.may_call and fmt.grammar is not None and text.lstrip().startswith(CALL_OPEN):
+        reader = CallReader(fmt)
+        reader.feed(text)
+        reader.finish()
+        if not reader.calls:
+            raise _bad("the tool call could not be completed under its parameters' schema: the grammar engine cannot "
+                       "bound it; simplify the schema", "tools", "schema_unsatisfiable")
 
 
 def read_reply(text: str, fmt: ReplyFormat, engine_finish: str) -> tuple[list[dict], str | None, str]:

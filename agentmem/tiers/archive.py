@@ -48,7 +48,8 @@ from .schema import (
     to_db_time,
     utcnow,
 )
-from .sizes import KIND_CHARS, LABEL_CHARS, MAX_BLOCK_LIMIT, NAME_CHARS, SESSION_ID_CHARS, USER_ID_CHARS
+from .scope import check_id
+from .sizes import KIND_CHARS, LABEL_CHARS, MAX_BLOCK_LIMIT, NAME_CHARS
 from .timeparse import parse_timestamp
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -179,7 +180,7 @@ class Archive:
             return
         if s.get(DeletedTenantRow, tenant_id) is not None:
             raise NotFound(f"tenant {tenant_id!r} not found")
-        _add_once(s, TenantRow(id=tenant_id, name=name or tenant_id))
+        _add_once(s, TenantRow(id=check_id(tenant_id, "tenant_id"), name=name or tenant_id))
 
     def create_tenant(self, name: str) -> str:
         name = _scope_id(name, "tenant name")
@@ -267,11 +268,12 @@ class Archive:
         """The user inside a write's own transaction, so that a write that fails leaves no
         user (or tenant) behind. `create=False` (background work such as reflection) never
         brings back a user deleted meanwhile."""
-        user_id = _scope_id(user_id, "user_id", USER_ID_CHARS)
+        user_id = clean_text(user_id, "user_id")
         if s.get(UserRow, (tenant_id, user_id)) is not None:
-            return user_id
+            return user_id  # a user stored before ids were checked stays usable (tenant fix-ids)
         if not create:
             raise NotFound(f"user {user_id!r} not found")
+        check_id(user_id, "user_id")
         self._tenant_in(s, _scope_id(tenant_id, "tenant_id"))
         _add_once(s, UserRow(tenant_id=tenant_id, id=user_id))
         return user_id
@@ -309,13 +311,14 @@ class Archive:
                      agent_id: str = "default") -> R.SessionInfo:
         """Resume `session_id` (it must be this user's) or start a new one."""
         if session_id is not None:
-            session_id = _scope_id(session_id, "session_id", SESSION_ID_CHARS)
+            session_id = clean_text(session_id, "session_id")
         with self.tx() as s:
             self._user_in(s, tenant_id, user_id)
             if session_id is not None:
                 row = s.get(SessionRow, (tenant_id, user_id, session_id))
                 if row is not None:
                     return self._session_info(s, row)
+                check_id(session_id, "session_id")
             row = SessionRow(id=session_id or uuid.uuid4().hex, tenant_id=tenant_id,
                              user_id=user_id, agent_id=agent_id)
             s.add(row)
