@@ -27,6 +27,10 @@ class Limits:
     max_tokens: int = 1024
     rate_per_minute: float = 600.0  # per tenant; burst = one minute's worth
     max_import_bytes: int = 16 << 20  # import documents may be larger than other bodies
+    max_import_messages: int = 50_000  # rows of one import document, refused before any row is read
+    max_import_memories: int = 20_000
+    max_import_sessions: int = 10_000
+    max_import_blocks: int = 100
     tenant_concurrency: int = 4  # memory writes, searches, imports one tenant runs at once (0: unlimited)
     tenant_chats: int = 16  # chat turns one tenant runs at once (0: unlimited)
     tenant_queue: int = 64  # a tenant's requests waiting for one of those beyond which it gets 429 at once

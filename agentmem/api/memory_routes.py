@@ -7,17 +7,34 @@ caller's tenant. Reads of a user that does not exist are 404; writes create the 
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Body, Depends, Path, Query
+from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 
 from ..tiers.records import NotFound
-from ..tiers.sizes import KIND_CHARS, LABEL_CHARS, SESSION_ID_CHARS, USER_ID_CHARS
+from ..tiers.scope import InvalidId, check_id
+from ..tiers.sizes import KIND_CHARS, LABEL_CHARS
+from ..tiers.transfer import check_counts
 from .deps import Caller, caller, services
 from .errors import ApiError
+from .inputs import check_ids
 from .schemas import ContextIn, CoreBlockIn, MemoryIn, MemoryPatch, MessagesIn, SearchIn, storable
 
-router = APIRouter(prefix="/v1", tags=["memory"])
 
-UserId = Path(min_length=1, max_length=USER_ID_CHARS, description="the user id, as given in chat `user`")
+def _ids(request: Request) -> None:
+    """Every user and session id a path or query names is in the id alphabet (tiers/scope.py),
+    or a 400 naming it: an id that could not round-trip through a URL is never accepted."""
+    for where in (request.path_params, request.query_params):
+        for name in ("user_id", "session_id"):
+            value = where.get(name)
+            if value is not None:
+                try:
+                    check_id(value, name)
+                except InvalidId as exc:
+                    raise ApiError(400, str(exc), code="invalid_id", param=name) from None
+
+
+router = APIRouter(prefix="/v1", tags=["memory"], dependencies=[Depends(_ids)])
+
+UserId = Path(description="the user id, as given in chat `user`: 1-128 of A-Z a-z 0-9 _ - . @ :")
 MemoryId = Path(ge=1, le=2**63 - 1, description="a memory id (from listing or adding memories)")
 MAX_LIST = 10_000
 
@@ -144,7 +161,7 @@ def list_sessions(user_id: str = UserId, who: Caller = Depends(caller), svc=Depe
 
 
 @router.get("/users/{user_id}/sessions/{session_id}/messages")
-def session_messages(session_id: str = Path(min_length=1, max_length=SESSION_ID_CHARS), user_id: str = UserId,
+def session_messages(session_id: str = Path(description="a session id"), user_id: str = UserId,
                      limit: int = Query(1000, ge=0, le=MAX_LIST), who: Caller = Depends(caller),
                      svc=Depends(services)) -> dict:
     return _listing(svc.store.session_messages(who.tenant_id, user_id, session_id), limit)
@@ -157,9 +174,10 @@ def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(
         storable(m.content, f"messages.{i}.content")
         _check_len(svc, m.content, f"messages.{i}.content")
     if body.session_id is not None:
-        storable(body.session_id, "session_id")
+        check_ids(None, body.session_id)
     if len(body.messages) > svc.limits.max_messages:
-        raise ApiError(400, f"at most {svc.limits.max_messages} messages per request", code="too_many_messages")
+        raise ApiError(400, f"at most {svc.limits.max_messages} messages per request", code="too_many_messages",
+                       param="messages")
     with svc.slots.hold(who.tenant_id):
         sid = body.session_id or svc.store.latest_session(who.tenant_id, user_id)
         info = svc.store.open_session(who.tenant_id, user_id, sid)
@@ -169,7 +187,7 @@ def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(
 
 
 @router.get("/users/{user_id}/turns")
-def turns(user_id: str = UserId, session_id: str | None = Query(None, max_length=SESSION_ID_CHARS),
+def turns(user_id: str = UserId, session_id: str | None = Query(None),
           limit: int = Query(50, ge=1, le=MAX_LIST), who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """Per-turn traces: prompt segments by tier with tokens and KV fate (reused / blended /
     prefilled), memories used, TTFT and token counts."""
@@ -193,20 +211,26 @@ def export_user(user_id: str = UserId, who: Caller = Depends(caller), svc=Depend
     return svc.store.export_user(who.tenant_id, user_id)
 
 
-@router.post("/users/{user_id}/import", status_code=201)
-def import_user(doc: dict = Body(..., description="a document from GET .../export"), user_id: str = UserId,
-                who: Caller = Depends(caller), svc=Depends(services)) -> dict:
-    """All or nothing, with the limits of the live endpoints (message and memory length)."""
+@router.post("/users/{user_id}/import", status_code=201,
+             responses={200: {"description": "the document was there already: nothing changed"}})
+def import_user(response: Response, doc: dict = Body(..., description="a document from GET .../export"),
+                user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """All or nothing, faithful (ids, texts and times kept; the ids that had to change are in
+    `id_map`) and idempotent: importing the same document again changes nothing and answers
+    200. Counts are checked before any row is read, texts against the live endpoints' limits."""
+    lim = svc.limits
+    limits = {"sessions": lim.max_import_sessions, "messages": lim.max_import_messages,
+              "memories": lim.max_import_memories, "core_blocks": lim.max_import_blocks}
+    check_counts(doc, limits)
     for key, field in (("messages", "text"), ("memories", "text"), ("memories", "compressed_text")):
-        rows = doc.get(key)
-        for i, row in enumerate(rows if isinstance(rows, list) else []):
+        for i, row in enumerate(doc[key]):
             if isinstance(row, dict) and isinstance(row.get(field), str):
                 _check_len(svc, row[field], f"{key}.{i}.{field}")
-    try:
-        with svc.slots.hold(who.tenant_id):
-            return svc.store.import_user(who.tenant_id, user_id, doc)
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
-        raise ApiError(400, f"malformed export document: {exc}", code="invalid_export") from exc
+    with svc.slots.hold(who.tenant_id):
+        out = svc.store.import_user(who.tenant_id, user_id, doc, limits)
+    if out["unchanged"]:
+        response.status_code = 200
+    return out
 
 
 def _check_len(svc, value: str, param: str) -> None:

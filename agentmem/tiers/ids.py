@@ -44,6 +44,11 @@ class IdMaker:
             self._last = tick
         return tick << LOW_BITS | self._permute(tick, counter & ((1 << LOW_BITS) - 1))
 
+    def observe(self, row_id: int) -> None:
+        """An id written as given (an import keeps its document's ids): later ids follow it."""
+        with self._lock:
+            self._last = max(self._last, row_id >> LOW_BITS)
+
     def _permute(self, tick: int, value: int) -> int:
         """A 4-round Feistel network on 12 bits: a bijection for each tick, so values of one
         tick never collide."""

@@ -14,10 +14,9 @@ from datetime import datetime
 
 from ..config import Config, private_dir
 from . import records as R
+from . import transfer
 from .archive import Archive, clean_text
 from .recall import Recall
-
-EXPORT_VERSION = 1
 
 # called as hook(tenant_id, user_id or None) after a user or a whole tenant is deleted,
 # e.g. to drop cached KV of that scope
@@ -191,78 +190,21 @@ class MemoryStore:
 
     # --- export / import ---------------------------------------------------------------------
     def export_user(self, tenant_id: str, user_id: str) -> dict:
-        """Everything about one user as one JSON-ready document (ids are the archive's)."""
-        if not self.archive.user_exists(tenant_id, user_id):
-            raise R.NotFound(f"user {user_id!r} not found")
-        return {
-            "version": EXPORT_VERSION,
-            "user_id": user_id,
-            "sessions": [s.to_dict() for s in self.list_sessions(tenant_id, user_id)],
-            "messages": [m.to_dict() for m in self.archive.messages(tenant_id, user_id)],
-            "memories": [m.to_dict() for m in self.list_memories(tenant_id, user_id)],
-            "core_blocks": [b.to_dict() for b in self.core_blocks(tenant_id, user_id)],
-        }
+        """Everything about one user as one JSON-ready document (tiers/transfer.py)."""
+        return transfer.export_doc(self.archive, tenant_id, user_id)
 
-    def import_user(self, tenant_id: str, user_id: str, doc: dict) -> dict:
-        """Load an `export_user` document under (tenant_id, user_id) in one transaction: all
-        of it or, on any invalid row, none of it. Rows get new ids; the links between them
-        (memory sources, superseded_by) are mapped. Returns counts."""
-        if not isinstance(doc, dict) or doc.get("version") != EXPORT_VERSION:
-            raise R.InvalidInput(f"not an agentmem export (version {EXPORT_VERSION})")
-        messages, memories, blocks = (_rows(doc, k) for k in ("messages", "memories", "core_blocks"))
-        msg_map: dict[int, int] = {}
-        mem_map: dict[int, int] = {}
-        with self.archive.tx():
-            self.archive.ensure_user(tenant_id, user_id)
-            by_session: dict[str, list[dict]] = {}
-            for m in messages:
-                by_session.setdefault(str(m.get("session_id")), []).append(m)
-            for msgs in by_session.values():
-                sid = self.archive.open_session(tenant_id, user_id, None).id
-                stored = self.archive.append_messages(tenant_id, user_id, sid, [
-                    {"role": m.get("role"), "content": m.get("text"), "created_at": m.get("created_at"),
-                     "event_time": m.get("event_time")} for m in msgs])
-                msg_map.update({_doc_id(m.get("id"), "message"): s.id for m, s in zip(msgs, stored, strict=True)})
-            for m in memories:
-                sources = [msg_map[i] for i in _ids(m.get("source_ids", []), "source_ids") if i in msg_map]
-                new = self.archive.add_memory(tenant_id, user_id, m.get("text"), m.get("importance", 0.5), sources,
-                                              m.get("kind", "fact"), m.get("event_time"), m.get("compressed_text"))
-                mem_map[_doc_id(m.get("id"), "memory")] = new.id
-            for m in memories:
-                if m.get("status", "active") not in ("active", "superseded"):
-                    raise R.InvalidInput(f"memory status must be active or superseded, got {m.get('status')!r}")
-                if m.get("status") == "superseded":
-                    target = m.get("superseded_by")
-                    self.archive.update_memory(tenant_id, user_id, mem_map[_doc_id(m.get("id"), "memory")],
-                                               status="superseded",
-                                               superseded_by=None if target is None else mem_map.get(
-                                                   _doc_id(target, "superseded_by")))
-            for b in blocks:
-                self.archive.set_core_block(tenant_id, user_id, b.get("label"), b.get("value"), b.get("limit"))
+    def import_user(self, tenant_id: str, user_id: str, doc: dict, limits: dict[str, int] | None = None) -> dict:
+        """Load an `export_user` document under (tenant_id, user_id), all or nothing; ids,
+        texts and times kept, a second import of the same document changes nothing
+        (tiers/transfer.py). `limits`: the most sessions, messages, memories, core_blocks
+        a document may hold, refused before any row is read. Returns what was created, and
+        the ids that changed."""
+        transfer.check_counts(doc, limits or {})
+        out = transfer.import_doc(self.archive, tenant_id, user_id, transfer.parse(doc))
         self.recall.sync(tenant_id, user_id)
-        return {"messages": len(msg_map), "memories": len(mem_map), "core_blocks": len(blocks)}
+        return out
 
 
 def default_session_id(tenant_id: str, user_id: str) -> str:
     """A user's default conversation, stable across restarts and distinct across tenants."""
     return "default-" + hashlib.sha256(f"{tenant_id}\x00{user_id}".encode()).hexdigest()[:24]
-
-
-def _rows(doc: dict, key: str) -> list[dict]:
-    rows = doc.get(key, [])
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise R.InvalidInput(f"{key} must be a list of objects")
-    return rows
-
-
-def _doc_id(value, what: str) -> int:
-    """An id of the document (only used to link its rows): an integer, nothing else."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise R.InvalidInput(f"{what} id must be an integer, got {value!r}")
-    return value
-
-
-def _ids(values, what: str) -> list[int]:
-    if not isinstance(values, list):
-        raise R.InvalidInput(f"{what} must be a list of ids")
-    return [_doc_id(v, what) for v in values]
