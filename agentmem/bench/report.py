@@ -1,9 +1,12 @@
 """`agentmem bench report`: the README's benchmark table, made from the results in docs/bench/.
 
 One row per figure a user compares (engine decode and prefill against HF and llama.cpp, the
-blend's speed and top-1, recall@10, memory answers, the service) and per result file, the
-latest run of that bench on one kind of machine (agentmem/bench/results.py), named by its CPU
-model and date. The README keeps the table between the lines `<!-- bench-table:start -->` and
+blend's speed and top-1, recall@10 on the three question sets, memory answers, the service,
+the MCP server's overhead) and per CPU: the latest run of that bench there
+(agentmem/bench/results.py), named by its CPU model and date. A result is left out when a newer
+one of the same bench ran on the same CPU or on one its name covers ("AMD EPYC" is covered by
+"AMD EPYC (family 25 model 1)"): older files named before CPUs were recorded precisely stay
+in docs/bench/ but are not current figures. The README keeps the table between the lines `<!-- bench-table:start -->` and
 `<!-- bench-table:end -->`; `--write` replaces what is between them, else the table is printed.
 """
 
@@ -50,6 +53,19 @@ def _recall(r: dict) -> str:
     return f"{r['evidence_recall_at_10']:.3f}" + (f" ({', '.join(peers)})" if peers else "")
 
 
+def _recall_sets(found: dict[str | None, dict]) -> str:
+    names = {None: "generated", "handwritten": "hand-written 1", "handwritten2": "hand-written 2"}
+    return "; ".join(f"{names.get(v, v)} {_recall(r)}" for v, r in found.items())
+
+
+def _mcp(r: dict) -> str:
+    o, py = r["overhead_p50_ms"], r["python"]
+    return (f"p50 over Python: stdio +{o['stdio']['search_memory']:.1f} ms search, +{o['stdio']['add_messages']:.1f} ms "
+            f"add; HTTP +{o['http']['search_memory']:.1f} / +{o['http']['add_messages']:.1f} ms "
+            f"(Python {py['search_memory']['p50_ms']:.1f} / {py['add_messages']['p50_ms']:.1f} ms, "
+            f"{r['messages']:,} messages)")
+
+
 def _memory(r: dict) -> str:
     n = r["questions"]
     text = f"evidence in the prompt {r['evidence_in_prompt']:.2f}; answers {round(r['answer_accuracy'] * n)} of {n}"
@@ -74,17 +90,17 @@ class Row:
     variant: str | None
     what: str
     figure: Callable[[dict], str]
+    more: tuple[str, ...] = ()  # variants shown in the same row, per CPU (`figure` then takes {variant: result})
 
 
 ROWS = (
     Row("engine", None, "`bench engine`: one stream against HF and llama.cpp", _engine),
     Row("blend", None, "`bench blend`: CacheBlend against full prefill", _blend),
-    Row("recall", None, "`bench recall`: recall@10, generated conversations", _recall),
-    Row("recall", "handwritten", "`bench recall`: recall@10, hand-written set 1", _recall),
-    Row("recall", "handwritten2", "`bench recall`: recall@10, hand-written set 2", _recall),
+    Row("recall", None, "`bench recall`: recall@10", _recall_sets, ("handwritten", "handwritten2")),
     Row("memory", None, "`bench memory`: multi-session QA", _memory),
     Row("serve", None, "`bench serve`: batched against serial", _serve),
     Row("serve", "replicas", "`bench serve --replicas 2`", _replicas),
+    Row("mcp", None, "`bench mcp`: the MCP server's overhead", _mcp),
 )
 
 
@@ -100,13 +116,32 @@ def results(bench: str, variant: str | None, root: Path) -> list[tuple[Path, dic
     return sorted(found, key=lambda item: item[1]["date"], reverse=True)
 
 
+def current(found: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The newest result per CPU (and GPU), without those a newer one on a CPU of the same or
+    a more precise name supersedes."""
+    kept: list[tuple[Path, dict]] = []
+    for path, r in found:  # newest first
+        if not any(k.get("gpu") == r.get("gpu") and k["cpu"].startswith(r["cpu"]) for _, k in kept):
+            kept.append((path, r))
+    return kept
+
+
 def table(root: Path = RESULTS, readme_dir: Path = Path(".")) -> str:
     """The markdown table; links are relative to the README's folder."""
     lines = ["| benchmark | figure | dtype | machine | date |", "|---|---|---|---|---|"]
     for row in ROWS:
-        for path, r in results(row.bench, row.variant, root):
+        found = current(results(row.bench, row.variant, root))
+        if row.more:  # the other variants' latest on each of these CPUs, in the same row
+            extra = {v: {(r.get("gpu"), r["cpu"]): r for _, r in reversed(current(results(row.bench, v, root)))}
+                     for v in row.more}
+        for path, r in found:
             link = Path(os.path.relpath(path, readme_dir)).as_posix()
-            lines.append(f"| {row.what} | {row.figure(r)} | {_dtype(r)} | {_machine(r, link)} | {r['date']} |")
+            if row.more:
+                same = {v: extra[v].get((r.get("gpu"), r["cpu"])) for v in row.more}
+                figure = row.figure({row.variant: r, **{v: x for v, x in same.items() if x is not None}})
+            else:
+                figure = row.figure(r)
+            lines.append(f"| {row.what} | {figure} | {_dtype(r)} | {_machine(r, link)} | {r['date']} |")
     return "\n".join(lines)
 
 

@@ -11,10 +11,11 @@ from agentmem.bench.results import Machine, result_path, stamp, write
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_report_has_a_row_for_every_result_it_reads():
-    text = report.table(REPO / "docs" / "bench", REPO)
+def test_the_report_has_a_row_for_every_current_result_it_reads():
+    root = REPO / "docs" / "bench"
+    text = report.table(root, REPO)
     for row in report.ROWS:
-        for path, r in report.results(row.bench, row.variant, REPO / "docs" / "bench"):
+        for path, r in report.current(report.results(row.bench, row.variant, root)):
             link = path.relative_to(REPO).as_posix()
             line = next((x for x in text.splitlines() if x.startswith(f"| {row.what} |") and f"({link})" in x), None)
             assert line is not None, (row.what, link)
@@ -65,3 +66,27 @@ def test_report_write_refuses_a_readme_without_the_markers(tmp_path, capsys):
     assert cli.main(["bench", "report", "--write", "--readme", str(readme), "--results", str(tmp_path)]) == 1
     assert "bench-table:start" in capsys.readouterr().err
     assert readme.read_text() == f"# agentmem\n{report.END}\n{report.START}\n"
+
+
+def test_a_newer_result_on_the_same_or_a_more_precisely_named_cpu_supersedes(tmp_path):
+    root = tmp_path / "docs" / "bench"
+    for kind, cpu, day in (("epyc-avx2", "AMD EPYC", "2026-01-01"), ("zen3-avx2", "AMD EPYC (family 25 model 1)",
+                           "2026-02-01"), ("zen3-old", "AMD EPYC (family 25 model 1)", "2026-01-15"),
+                           ("xeon", "Intel Xeon", "2025-12-01")):
+        m = Machine(kind=kind, cpu=cpu, flags=("avx2",))
+        write(result_path("engine", kind, root=root), stamp(ENGINE, m, "float32", "0" * 40, day))
+    rows = [x for x in report.table(root, tmp_path).splitlines() if x.startswith("| `bench engine`")]
+    assert len(rows) == 2
+    assert "(docs/bench/engine/zen3-avx2.json)" in rows[0] and "(docs/bench/engine/xeon.json)" in rows[1]
+
+
+def test_recall_sets_share_a_row_per_cpu(tmp_path):
+    root = tmp_path / "docs" / "bench"
+    m = Machine(kind="box", cpu="CPU of box", flags=("avx2",))
+    for variant, value in ((None, 0.787), ("handwritten", 0.877), ("handwritten2", 0.808)):
+        path = result_path("recall", "box", variant, root=root) if variant else result_path("recall", "box", root=root)
+        write(path, stamp({"evidence_recall_at_10": value, "dense_recall_at_10": 0.2}, m, "float32", "0" * 40,
+                          "2026-01-02"))
+    rows = [x for x in report.table(root, tmp_path).splitlines() if x.startswith("| `bench recall`")]
+    assert len(rows) == 1
+    assert "generated 0.787" in rows[0] and "hand-written 1 0.877" in rows[0] and "hand-written 2 0.808" in rows[0]
