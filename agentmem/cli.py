@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("agentmem.bench.engine", "engine prefill/decode/batching vs HF transformers"),
     "kernels": ("agentmem.engine.kernels.bench", "attention/RoPE kernels vs their torch peers"),
     "blend": ("agentmem.bench.blend", "chunk-KV reuse: full vs reuse vs CacheBlend"),
+    "kvstore": ("agentmem.bench.kvstore", "chunk KV store on a multi-user trace: LRU+raw vs value per byte+codec"),
     "memory": ("agentmem.bench.memory", "multi-session memory QA workload"),
     "recall": ("agentmem.bench.recall", "evidence recall on generated multi-session conversations"),
     "recall-cache": ("agentmem.bench.recall_cache", "resident memory over 10,000 users, recall cache bounded vs not"),

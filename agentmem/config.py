@@ -126,7 +126,9 @@ class Config(BaseSettings):
     # channel, V per token, groups of 32 with fp16 scales). int4: 0.31x raw bf16's bytes at a
     # blend KL within 1.25x raw's (`bench kvstore`, docs/kvreuse.md)
     kv_codec: str = "int4"
-    kv_ram_codec: bool = True  # the RAM tier holds the codec's blobs too (~3x the chunks, a decode per hit)
+    # the RAM tier holds the codec's blobs too (~3x the chunks, a decode per hit; a quantized
+    # entry is only blended, never an exact prefix); off: RAM keeps exact KV
+    kv_ram_codec: bool = False
     # which chunks each tier keeps (kvreuse/policy.py): value (expected reuse x prefill seconds
     # saved / bytes, with admission) | lru (the baseline)
     kv_policy: str = "value"

@@ -11,6 +11,7 @@ that are only ever blended.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -19,10 +20,12 @@ from ..config import Config, resolve_kv_mode
 from ..engine.engine import Engine, PrefillResult, Segment
 from .fuser import MODES, Clock, Fused, Piece, check_blend_settings, fuse
 from .identity import ROOT_CONTEXT, chunk_key, next_context
+from .policy import Rates, make_policy
 from .store import ChunkKV, ChunkStore
 
 
 def store_from_config(config: Config, device: torch.device) -> ChunkStore:
+    """The store the settings describe: tiers and budgets, codec, policy."""
     tiers: list[tuple[torch.device | str, int]] = []
     if device.type == "cuda":
         tiers.append((device, config.kv_gpu_bytes))
@@ -34,7 +37,12 @@ def store_from_config(config: Config, device: torch.device) -> ChunkStore:
         from .shared_tier import SharedTier
 
         shared = SharedTier(redis_link(config.redis_url), config.redis_kv_bytes)
-    return ChunkStore(tiers, disk, config.kv_disk_bytes, shared=shared)
+    rates = Rates(recompute_share=config.blend_ratio)
+    policy = make_policy(config.kv_policy, rates=rates, half_life_s=config.kv_half_life_s,
+                         min_tokens=config.kv_min_tokens) if config.kv_policy == "value" else \
+        make_policy(config.kv_policy, rates=rates)
+    return ChunkStore(tiers, disk, config.kv_disk_bytes, shared=shared, policy=policy, codec=config.kv_codec,
+                      ram_codec=config.kv_ram_codec)
 
 
 class ChunkReuse:
@@ -54,8 +62,11 @@ class ChunkReuse:
         self.metric = cfg.blend_metric
         self.drift = cfg.blend_drift
         self.store = store if store is not None else store_from_config(cfg, engine.device)
+        self.pin_s = cfg.tool_pin_s
         self._anchor: ChunkKV | None = None
         self._anchor_ids: list[int] = []
+        # the last plan's new entries, so that `pin` can keep one the store did not admit
+        self._last_new: dict[str, tuple[str, ChunkKV]] = {}
 
     def _key(self, ids: list[int], namespace: str) -> str:
         e = self.engine
@@ -72,27 +83,36 @@ class ChunkReuse:
         ratio: float | None = None,
         store: bool = True,
         clock: Clock | None = None,
+        user: str | None = None,
     ) -> PrefillResult:
         """Prefill tokenized segments (as `Engine.tokenize_prompt` gives them). `mode` and
         `ratio` override the configured ones (the benchmark compares modes this way);
         `store=False` leaves the store as it was (no new entries, no counters); `clock`
-        collects seconds per part (see `fuser.Clock`)."""
+        collects seconds per part (see `fuser.Clock`); `user` is who asked (the store's
+        policy counts a chunk's users). Each segment's trace says where its KV came from
+        (`kv_tier`), whether a pin held it or was broken (`kv_pin`: held / evicted) and whether
+        a slow tier's copy was left for a recompute (`kv_choice`)."""
         mode = mode or self.mode
         ratio = self.ratio if ratio is None else ratio
+        t_start = time.perf_counter()
         ids = [t for p in parts for t in p[0]]
-        pieces, keys, how = [], [], []
-        context, exact_so_far, start = ROOT_CONTEXT, True, 0
+        pieces, keys, how, found = [], [], [], []
+        context, exact_so_far, prefix_exact, start = ROOT_CONTEXT, True, True, 0
         for seg_ids, cacheable, seg in parts:
             n = len(seg_ids)
             key = self._key(seg_ids, seg.namespace) if cacheable and n else None
-            kv = None
+            kv, where = None, {}
             if key is not None and mode != "full":
-                kv = self.store.get(key, count=store)
+                kv, where = self.store.lookup(key, count=store, tokens=n, kind=seg.tier, user=user)
                 if kv is not None and (kv.k.shape[1] != n or kv.k.shape[0] != self.engine.model.args.n_layers):
                     kv = None
-            exact = kv is not None and exact_so_far and kv.context == context
+            # an exact piece must follow exact pieces only (a segment missing before it, one
+            # too short to be cached say, runs in the pass: what follows it is blended)
+            exact = kv is not None and exact_so_far and prefix_exact and kv.context == context
+            prefix_exact = prefix_exact and exact
             exact_so_far = exact or (exact_so_far and kv is None and mode != "full")
             pieces.append(Piece(start, n, kv, exact))
+            found.append(where)
             keys.append((key, context if exact_so_far else None))
             how.append("reused" if exact or (kv is not None and mode == "reuse")
                        else "blended" if kv is not None else "prefilled")
@@ -104,7 +124,7 @@ class ChunkReuse:
                      keep_raw=store and mode != "full", drift=self.drift, clock=clock)
         ran = fused.ran.tolist()
         segments, reused, recomputed, prefilled = [], 0, 0, 0
-        for (_, _, seg), p, h in zip(parts, pieces, how, strict=True):
+        for (_, _, seg), p, h, where in zip(parts, pieces, how, found, strict=True):
             n_ran = sum(ran[p.start : p.start + p.n])
             if p.kv is None:
                 prefilled += p.n
@@ -113,8 +133,9 @@ class ChunkReuse:
                 recomputed += n_ran
                 reused += p.n - n_ran
                 info = {"tokens": p.n, "how": h, "recomputed": n_ran}
-            segments.append(info | {"tier": seg.tier, "ref": seg.ref})
+            segments.append(info | {"tier": seg.tier, "ref": seg.ref} | {f"kv_{k}": v for k, v in where.items()})
         if store and mode != "full":
+            self.store.rates.prefill(recomputed + prefilled, time.perf_counter() - t_start)
             self._store_new(parts, pieces, keys, fused)
         result = PrefillResult(list(fused.k.unbind(0)), list(fused.v.unbind(0)), fused.last_logits,
                                reused=reused, recomputed=recomputed, prefilled=prefilled, segments=segments)
@@ -124,13 +145,16 @@ class ChunkReuse:
 
     def _store_new(self, parts, pieces: list[Piece], keys, fused: Fused) -> None:
         offset = 0  # into fused.new_k_raw: uncached tokens in prompt order
+        self._last_new = {}
         for (_, _, seg), p, (key, context) in zip(parts, pieces, keys, strict=True):
             if p.kv is not None:
                 continue
             if key is not None:
                 k = fused.new_k_raw[:, offset : offset + p.n].clone()
                 v = fused.v[:, p.start : p.start + p.n].clone()
-                self.store.put(key, seg.namespace, ChunkKV(k, v, context))
+                entry = ChunkKV(k, v, context)
+                self.store.put(key, seg.namespace, entry, kind=seg.tier)
+                self._last_new[key] = (seg.namespace, entry)
             offset += p.n
 
     # --- the public surface ----------------------------------------------------------------
@@ -154,9 +178,28 @@ class ChunkReuse:
                 continue
             pieces = [Piece(0, n_anchor, self._anchor, exact=True), Piece(n_anchor, len(ids))]
             fused = fuse(e.model, anchor_ids + ids, pieces, "blend", keep_raw=True)
-            self.store.put(key, seg.namespace, ChunkKV(fused.new_k_raw.clone(), fused.v[:, n_anchor:].clone()))
+            self.store.put(key, seg.namespace, ChunkKV(fused.new_k_raw.clone(), fused.v[:, n_anchor:].clone()), kind=seg.tier)
             done += len(ids)
         return done
+
+    def pin(self, parts: list[tuple[list[int], bool, Segment]], seconds: float | None = None) -> dict:
+        """A turn ended in a tool call: keep its prompt's chunks in memory for `seconds`
+        (default `tool_pin_s`), so that the continuation, which sends the same prompt and the
+        tool's result, reuses them. An entry the store did not admit is taken from the last
+        plan's (call this right after the turn's prefill). Returns {"pinned": n, "missing": n}.
+        Memory pressure from other pins may still evict one; the continuation's trace then
+        says so (`kv_pin: evicted`)."""
+        seconds = self.pin_s if seconds is None else seconds
+        out = {"pinned": 0, "missing": 0}
+        if seconds <= 0:
+            return out
+        for seg_ids, cacheable, seg in parts:
+            if not cacheable or not seg_ids:
+                continue
+            key = self._key(seg_ids, seg.namespace)
+            ns, kv = self._last_new.get(key, (seg.namespace, None))
+            out["pinned" if self.store.pin(key, seconds, kv, ns) else "missing"] += 1
+        return out
 
     def drop_namespace(self, namespace: str) -> int:
         """Remove every cached entry of `namespace` (a deleted tenant or user) from every tier."""

@@ -1,18 +1,31 @@
-"""The chunk KV store: memory tiers (GPU on CUDA, then RAM), each an LRU bounded in bytes,
-spilling to a disk tier of one checksummed file per chunk.
+"""The chunk KV store: memory tiers (GPU on CUDA, then RAM), then a disk tier of one
+checksummed file per chunk, then optionally a Redis tier shared by replicas.
 
 An entry holds, per layer, K before RoPE and V of one chunk, so it can be placed at any
-position. A read that finds a torn, truncated or corrupt file treats it as a miss and
-deletes it: the cost of a bad file is one recomputation, never a crash or a wrong answer.
+position. Every tier is bounded in bytes and keeps what its `policy` (policy.py) values most
+per byte: by default value per byte (expected reuse x prefill seconds saved / bytes), with
+`LRUPolicy` as the baseline. Disk and Redis hold entries encoded by the store's codec
+(codec.py: raw, int8 or int4), and so does RAM with `ram_codec`, which fits ~3x more chunks
+into the same memory at the cost of a decode on every hit.
+
+A read that finds a torn, truncated or corrupt blob treats it as a miss and deletes it: the
+cost of a bad file is one recomputation, never a crash or a wrong answer. A read from disk or
+Redis happens only where its measured cost is below the prefill it saves (`Rates`).
+
+Pins: a turn that ends in a tool call keeps its chunks in memory for a while (`pin`), since
+the call's continuation sends them again. Pinned entries are not evicted for unpinned ones;
+only other pinned entries may push them out (memory pressure), and the store remembers which
+pins it broke, so that the continuation's trace says so.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,72 +33,79 @@ from pathlib import Path
 
 import torch
 
-_MAGIC = b"AMKV1\n"
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+from .codec import check_codec, codec_of, decode, encode
+from .entry import ChunkKV
+from .policy import LRUPolicy, victims
+
+__all__ = ["ChunkKV", "ChunkStore", "DiskTier", "MemoryTier", "pack", "unpack"]
+
+
+def pack(key: str, namespace: str, kv: ChunkKV, codec: str = "raw") -> bytes:
+    """An entry as bytes (codec.encode)."""
+    return encode(key, namespace, kv, codec)
+
+
+def unpack(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
+    """`pack`'s inverse: None when the bytes are not an intact entry for `key`."""
+    return decode(data, key)
 
 
 @dataclass
-class ChunkKV:
-    """KV of one chunk: k (before RoPE) and v, each [layers, tokens, kv_heads, head_dim].
-
-    `context` is the context hash (see identity.next_context) of the segments it was
-    computed after, when it was computed exactly (full prefill after an exact prefix);
-    None when it is an approximation, which is then never taken for an exact prefix."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    context: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-    @property
-    def tokens(self) -> int:
-        return self.k.shape[1]
-
-    def to(self, device: torch.device | str) -> ChunkKV:
-        return ChunkKV(self.k.to(device), self.v.to(device), self.context)
+class _Held:
+    namespace: str
+    kv: ChunkKV | None  # decoded, or None when held as `blob`
+    blob: bytes | None
+    nbytes: int
+    tokens: int
 
 
 class MemoryTier:
-    """An LRU of entries on one device, bounded in bytes."""
+    """Entries on one device, bounded in bytes; raw tensors, or blobs of `codec` (CPU only)."""
 
-    def __init__(self, device: torch.device | str, budget: int):
+    def __init__(self, device: torch.device | str, budget: int, codec: str = "raw"):
         self.device = torch.device(device)
         self.budget = budget
-        self.entries: OrderedDict[str, tuple[str, ChunkKV]] = OrderedDict()  # key -> (namespace, kv)
+        self.codec = codec if self.device.type == "cpu" else "raw"
+        self.entries: OrderedDict[str, _Held] = OrderedDict()
         self.bytes = 0
+        self.name = "ram" if self.device.type == "cpu" else self.device.type
+
+    def hold(self, key: str, namespace: str, kv: ChunkKV) -> _Held:
+        if self.codec != "raw":
+            blob = encode(key, namespace, kv, self.codec, entropy=False)
+            return _Held(namespace, None, blob, len(blob), kv.tokens)
+        kv = kv.to(self.device)
+        return _Held(namespace, kv, None, kv.nbytes, kv.tokens)
 
     def get(self, key: str) -> ChunkKV | None:
-        item = self.entries.get(key)
-        if item is None:
+        held = self.entries.get(key)
+        if held is None:
             return None
         self.entries.move_to_end(key)
-        return item[1]
+        if held.kv is not None:
+            return held.kv
+        found = decode(held.blob, key)
+        if found is None:  # cannot happen short of memory corruption; a miss all the same
+            self.remove(key)
+            return None
+        return found[1]
 
-    def put(self, key: str, namespace: str, kv: ChunkKV) -> list[tuple[str, str, ChunkKV]]:
-        """Insert as most recent; return the entries evicted to stay within the budget."""
+    def namespace(self, key: str) -> str:
+        return self.entries[key].namespace
+
+    def insert(self, key: str, held: _Held) -> None:
         self.remove(key)
-        kv = kv.to(self.device)
-        self.entries[key] = (namespace, kv)
-        self.bytes += kv.nbytes
-        out = []
-        while self.bytes > self.budget:
-            old, (ns, old_kv) = self.entries.popitem(last=False)
-            self.bytes -= old_kv.nbytes
-            out.append((old, ns, old_kv))
-        return out
+        self.entries[key] = held
+        self.bytes += held.nbytes
 
-    def remove(self, key: str) -> bool:
-        item = self.entries.pop(key, None)
-        if item is None:
-            return False
-        self.bytes -= item[1].nbytes
-        return True
+    def remove(self, key: str) -> _Held | None:
+        held = self.entries.pop(key, None)
+        if held is not None:
+            self.bytes -= held.nbytes
+        return held
 
     def drop_namespace(self, namespace: str) -> int:
-        keys = [k for k, (ns, _) in self.entries.items() if ns == namespace]
+        keys = [k for k, h in self.entries.items() if h.namespace == namespace]
         for k in keys:
             self.remove(k)
         return len(keys)
@@ -94,14 +114,16 @@ class MemoryTier:
 class DiskTier:
     """One file per chunk under <dir>/<namespace hash>/<key>.kv, written to a temporary file
     and renamed into place (a reader sees the old file, the new one, or none); each file
-    carries a digest of its payload. LRU by last use, bounded in bytes."""
+    carries a digest of its payload. Bounded in bytes."""
 
-    def __init__(self, root: Path, budget: int):
+    def __init__(self, root: Path, budget: int, codec: str = "raw"):
         self.root = Path(root)
         self.budget = budget
+        self.codec = codec
         self.root.mkdir(parents=True, exist_ok=True)
         self.files: OrderedDict[str, tuple[Path, int]] = OrderedDict()  # key -> (path, size)
         self.bytes = 0
+        self.found: list[tuple[str, float]] = []  # (key, mtime) of files already there at start
         found = []
         for p in self.root.glob("*/*"):
             if p.suffix == ".kv":
@@ -109,9 +131,10 @@ class DiskTier:
                 found.append((st.st_mtime, p, st.st_size))
             elif p.name.endswith(".tmp"):  # a write that never finished
                 p.unlink(missing_ok=True)
-        for _, p, size in sorted(found):
+        for mtime, p, size in sorted(found):
             self.files[p.stem] = (p, size)
             self.bytes += size
+            self.found.append((p.stem, mtime))
 
     @staticmethod
     def namespace_dir(namespace: str) -> str:
@@ -123,26 +146,21 @@ class DiskTier:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
-    def write(self, key: str, namespace: str, kv: ChunkKV) -> list[str]:
-        """Store the entry; return the keys evicted to stay within the budget."""
+    def size(self, key: str) -> int:
+        return self.files[key][1]
+
+    def write_blob(self, key: str, namespace: str, blob: bytes) -> None:
         path = self.path(key, namespace)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "wb") as f:
-            f.write(pack(key, namespace, kv))
+            f.write(blob)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         self.remove(key)
-        size = path.stat().st_size
-        self.files[key] = (path, size)
-        self.bytes += size
-        evicted = []
-        while self.bytes > self.budget and len(self.files) > 1:
-            old = next(iter(self.files))
-            self.remove(old)
-            evicted.append(old)
-        return evicted
+        self.files[key] = (path, len(blob))
+        self.bytes += len(blob)
 
     def read(self, key: str) -> tuple[str, ChunkKV] | None:
         """(namespace, entry), or None when it is absent or its file is not intact (then
@@ -150,16 +168,15 @@ class DiskTier:
         item = self.files.get(key)
         if item is None:
             return None
-        path = item[0]
         try:
-            kv = _parse(path.read_bytes(), key)
-        except (OSError, ValueError, KeyError, RuntimeError, TypeError):
-            kv = None
-        if kv is None:
+            found = decode(item[0].read_bytes(), key)
+        except OSError:
+            found = None
+        if found is None:
             self.remove(key)
             return None
         self.files.move_to_end(key)
-        return kv
+        return found
 
     def remove(self, key: str) -> bool:
         item = self.files.pop(key, None)
@@ -178,70 +195,73 @@ class DiskTier:
         return len(keys)
 
 
-def pack(key: str, namespace: str, kv: ChunkKV) -> bytes:
-    """An entry as bytes: magic, header (key, namespace, shapes, digest of the payload), payload."""
-    k = kv.k.detach().contiguous().cpu()
-    v = kv.v.detach().contiguous().cpu()
-    payload = k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes()
-    header = json.dumps({
-        "key": key, "namespace": namespace, "context": kv.context, "dtype": str(k.dtype),
-        "k_shape": list(k.shape), "v_shape": list(v.shape), "payload": len(payload),
-        "digest": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-    }).encode()
-    return _MAGIC + len(header).to_bytes(4, "little") + header + payload
-
-
-def unpack(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
-    """`pack`'s inverse: None when the bytes are not an intact entry for `key`."""
-    try:
-        return _parse(data, key)
-    except (ValueError, KeyError, RuntimeError, TypeError):
-        return None
-
-
-def _parse(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
-    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 4:
-        return None
-    n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 4], "little")
-    start = len(_MAGIC) + 4 + n
-    head = json.loads(data[len(_MAGIC) + 4 : start])
-    payload = data[start:]
-    if head["key"] != key or len(payload) != head["payload"] or head["dtype"] not in _DTYPES:
-        return None
-    if hashlib.blake2b(payload, digest_size=16).hexdigest() != head["digest"]:
-        return None
-    dtype = _DTYPES[head["dtype"]]
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    nk = torch.Size(head["k_shape"]).numel() * flat.new_empty(0, dtype=dtype).element_size()
-    k = flat[:nk].view(dtype).view(head["k_shape"])
-    v = flat[nk:].view(dtype).view(head["v_shape"])
-    return head["namespace"], ChunkKV(k, v, head["context"])
-
-
 class ChunkStore:
-    """Memory tiers in order (fastest first), then an optional disk tier. An entry lives in
-    one memory tier at a time: a hit moves it to the first, an eviction moves it one tier
-    down, and out of the last memory tier onto disk (or away, without a disk tier)."""
+    """Memory tiers in order (fastest first), then an optional disk tier, then an optional
+    shared (Redis) tier. An entry lives in one memory tier at a time: a hit moves it to the
+    first (where that tier admits it), an eviction moves it one tier down, and out of the last
+    memory tier onto disk (or away, without a disk tier). Redis is written through."""
 
     def __init__(self, tiers: list[tuple[torch.device | str, int]], disk_dir: Path | None = None,
-                 disk_bytes: int = 8 << 30, shared=None):
+                 disk_bytes: int = 8 << 30, shared=None, policy: LRUPolicy | None = None,
+                 codec: str = "raw", ram_codec: bool = False, choose_loads: bool = True):
         if not tiers:
             raise ValueError("a ChunkStore needs at least one memory tier")
-        self.tiers = [MemoryTier(d, b) for d, b in tiers]
-        self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
+        check_codec(codec)
+        self.codec = codec
+        self.tiers = [MemoryTier(d, b, codec if ram_codec else "raw") for d, b in tiers]
+        self.disk = DiskTier(disk_dir, disk_bytes, codec) if disk_dir is not None else None
+        self.policy = policy if policy is not None else LRUPolicy()
+        self.rates = self.policy.rates
+        if self.disk is not None:
+            for key, mtime in self.disk.found:
+                self.policy.seen.setdefault(key, _restored(mtime))
         # below disk: a tier other replicas share (shared_tier.SharedTier), written through
         self.shared = shared
-        self.hits = self.misses = self.evictions = 0
+        if shared is not None:
+            shared.attach(self.policy, codec)
+        self.pins: dict[str, float] = {}  # key -> pinned until (policy clock)
+        self.pins_broken: OrderedDict[str, float] = OrderedDict()  # key -> when pressure evicted it while pinned
+        self.hits = self.misses = self.evictions = self.rejected = 0
+        self.hit_tokens = self.looked_tokens = 0
+        self.read_bytes = {"disk": 0, "redis": 0}
+        self.recompute_chosen = 0
+        self.choose_loads = choose_loads  # False: always load what a tier has (the baseline)
+        self.bytes_per_token: float | None = None  # of blobs in this codec, for Redis's choice
         self._lock = threading.RLock()
 
-    def get(self, key: str, count: bool = True) -> ChunkKV | None:
+    # --- lookups ---------------------------------------------------------------------------
+    def get(self, key: str, count: bool = True, tokens: int | None = None, kind: str = "",
+            user: str | None = None) -> ChunkKV | None:
         """The entry (on the first tier's device) or None. `count=False` probes without
-        touching the hit/miss counters."""
+        touching the counters or the policy; `tokens` (the chunk's length, known from its
+        ids) lets the store choose to recompute rather than load from a slow tier."""
+        return self.lookup(key, count, tokens, kind, user)[0]
+
+    def lookup(self, key: str, count: bool = True, tokens: int | None = None, kind: str = "",
+               user: str | None = None) -> tuple[ChunkKV | None, dict]:
+        """`get`, and where it came from: {"tier": ram|gpu|disk|redis|None, and "pin": held
+        (a pin kept it) or evicted (memory pressure broke its pin), "choice": "recompute"
+        where a slow tier had it but loading would cost more than recomputing}."""
         with self._lock:
-            kv = self._find(key)
+            info: dict = {}
+            if count:
+                self.policy.used(key, tokens or 0, kind, user)
+            kv = self._find(key, tokens, info)
             if count:
                 self.record(kv is not None)
-            return kv
+                if tokens is not None:
+                    self.looked_tokens += tokens
+                    self.hit_tokens += tokens if kv is not None else 0
+            now = self.policy.clock()
+            if key in self.pins and kv is not None:
+                info["pin"] = "held"
+            elif key in self.pins_broken:
+                info["pin"] = "evicted"
+                if count:
+                    self.pins_broken.pop(key)
+            if key in self.pins and self.pins[key] <= now:
+                self.pins.pop(key)
+            return kv, info
 
     def record(self, hit: bool) -> None:
         with self._lock:
@@ -250,62 +270,193 @@ class ChunkStore:
             else:
                 self.misses += 1
 
-    def _find(self, key: str) -> ChunkKV | None:
+    def _find(self, key: str, tokens: int | None, info: dict) -> ChunkKV | None:
         first = self.tiers[0]
-        kv = first.get(key)
+        kv = self._timed(first.name, lambda: first.get(key), first.entries.get(key))
         if kv is not None:
+            info["tier"] = first.name
             return kv
         for tier in self.tiers[1:]:
             kv = tier.get(key)
             if kv is not None:
-                namespace = tier.entries[key][0]
+                info["tier"] = tier.name
+                namespace = tier.namespace(key)
                 tier.remove(key)
                 self._insert(key, namespace, kv)
                 return kv.to(first.device)
-        found = self.disk.read(key) if self.disk is not None else None
+        found = None
+        if self.disk is not None and key in self.disk:
+            size = self.disk.size(key)
+            if self.choose_loads and tokens is not None and not self.rates.worth_loading("disk", tokens, size):
+                self.recompute_chosen += 1
+                info["choice"] = "recompute"
+                return None
+            t0 = time.perf_counter()
+            found = self.disk.read(key)
+            if found is not None:
+                self.rates.read("disk", size, time.perf_counter() - t0)
+                self.read_bytes["disk"] += size
+                info["tier"] = "disk"
         if found is None and self.shared is not None:
-            found = self.shared.read(key)
+            est = int(tokens * self.bytes_per_token) if tokens is not None and self.bytes_per_token else 0
+            if self.choose_loads and tokens is not None and est and not self.rates.worth_loading("redis", tokens, est):
+                self.recompute_chosen += 1
+                info["choice"] = "recompute"
+                return None
+            t0 = time.perf_counter()
+            got = self.shared.read(key)
+            if got is not None:
+                found, size = got[:2], got[2]
+                self.rates.read("redis", size, time.perf_counter() - t0)
+                self.read_bytes["redis"] += size
+                info["tier"] = "redis"
         if found is not None:
             namespace, kv = found
-            self._insert(key, namespace, kv)
+            self._insert(key, namespace, kv, on_disk=True)
             return kv.to(first.device)
         return None
+
+    def _timed(self, tier: str, get, held: _Held | None) -> ChunkKV | None:
+        if held is None or held.blob is None:
+            return get()
+        t0 = time.perf_counter()
+        kv = get()
+        self.rates.read(tier, held.nbytes, time.perf_counter() - t0)
+        return kv
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return any(key in t.entries for t in self.tiers) or (self.disk is not None and key in self.disk)
 
-    def put(self, key: str, namespace: str, kv: ChunkKV) -> None:
+    # --- writes ----------------------------------------------------------------------------
+    def put(self, key: str, namespace: str, kv: ChunkKV, kind: str = "") -> bool:
+        """Offer a chunk's KV; whether any tier took it (chunks shorter than the policy's
+        minimum, or worth less per byte than everything they would push out, are not kept)."""
         with self._lock:
+            self.policy.stored(key, kv.tokens, kind)
             for tier in self.tiers[1:]:
                 tier.remove(key)
             if self.disk is not None:
                 self.disk.remove(key)  # a stale copy must not come back after an eviction
-            self._insert(key, namespace, kv)
+            # a short entry computed exactly in its context is kept all the same: without it,
+            # everything after it in the prompt could no longer be an exact prefix
+            if not self.policy.admits(kv.tokens) and key not in self.pins and kv.context is None:
+                self.rejected += 1
+                return False
+            kept = self._insert(key, namespace, kv)
             if self.shared is not None:
                 self.shared.write(key, namespace, kv)
+                kept = True
+            return kept
 
-    def _insert(self, key: str, namespace: str, kv: ChunkKV) -> None:
-        """Put into the first tier that can hold it; evictions cascade down, onto disk last
-        (an entry already on disk is not written again)."""
-        moving = [(key, namespace, kv)]
+    def _pinned(self, key: str) -> bool:
+        until = self.pins.get(key)
+        return until is not None and until > self.policy.clock()
+
+    def _make_room(self, tier, key: str, nbytes: int, sizes) -> list[str] | None:
+        """Keys `tier` evicts so that an entry of `nbytes` fits, or None: not admitted."""
+        over = tier.bytes + nbytes - tier.budget
+        if over <= 0:
+            return []
+        pinned = self._pinned(key)
+        new_prio = self.policy.priority(key, nbytes) if getattr(self.policy, "admission", False) else math.inf
+        entries = ((k, n, self.policy.priority(k, n), self._pinned(k)) for k, n in sizes())
+        return victims(entries, over, new_prio, pinned)
+
+    def _insert(self, key: str, namespace: str, kv: ChunkKV, on_disk: bool = False) -> bool:
+        """Put into the first tier that admits it; evictions cascade down, onto disk last
+        (an entry already on disk is not written again). Whether some tier holds it."""
+        moving: list[tuple[str, str, ChunkKV | _Held]] = [(key, namespace, kv)]
+        kept = False
         for tier in self.tiers:
             spilled = []
             for k, ns, item in moving:
-                if item.nbytes > tier.budget:
+                held = item if isinstance(item, _Held) and item.blob is not None and tier.codec != "raw" \
+                    else tier.hold(k, ns, _as_kv(k, item))
+                out = None if held.nbytes > tier.budget else self._make_room(
+                    tier, k, held.nbytes, lambda t=tier: ((x, h.nbytes) for x, h in t.entries.items()))
+                if out is None:
                     spilled.append((k, ns, item))
                     continue
-                evicted = tier.put(k, ns, item)
-                self.evictions += len(evicted)
-                spilled += evicted
+                for old in out:
+                    spilled.append((old, *self._leave(tier, old)))
+                tier.insert(k, held)
+                kept = kept or k == key
             moving = spilled
             if not moving:
-                return
-        if self.disk is not None:
-            for k, ns, item in moving:
-                if k not in self.disk:
-                    self.evictions += len(self.disk.write(k, ns, item))
+                return kept
+        for k, ns, item in moving:
+            if self.disk is None or (k == key and on_disk):
+                continue
+            if k in self.disk:
+                kept = kept or k == key
+                continue
+            blob = item.blob if isinstance(item, _Held) and item.blob is not None and \
+                codec_of(item.blob) == self.codec else encode(k, ns, _as_kv(k, item), self.codec)
+            tokens = item.tokens
+            if tokens:
+                per = len(blob) / tokens
+                self.bytes_per_token = per if self.bytes_per_token is None else 0.8 * self.bytes_per_token + 0.2 * per
+            out = self._make_room(self.disk, k, len(blob), lambda: ((x, n) for x, (_, n) in self.disk.files.items()))
+            if out is None:
+                continue
+            for old in out:
+                self.disk.remove(old)
+                self.evictions += 1
+            self.disk.write_blob(k, ns, blob)
+            kept = kept or k == key
+        if not kept and not (on_disk and self.disk is not None and key in self.disk):
+            self.rejected += 1
+        return kept
 
+    def _leave(self, tier: MemoryTier, key: str) -> tuple[str, _Held]:
+        gone = tier.remove(key)
+        self._evicted(key)
+        return gone.namespace, gone
+
+    def _evicted(self, key: str) -> None:
+        self.evictions += 1
+        if self._pinned(key):
+            self.pins.pop(key, None)
+            self.pins_broken[key] = self.policy.clock()
+            while len(self.pins_broken) > 4096:
+                self.pins_broken.popitem(last=False)
+
+    # --- pins ------------------------------------------------------------------------------
+    def pin(self, key: str, seconds: float, kv: ChunkKV | None = None, namespace: str = "") -> bool:
+        """Keep `key` in the first memory tier for `seconds` (a tool call's wait). An entry
+        held lower down moves up; `kv` is inserted when no tier holds it (it was not
+        admitted). Whether it is now pinned in memory."""
+        with self._lock:
+            self.pins[key] = self.policy.clock() + seconds
+            self.pins_broken.pop(key, None)
+            if key in self.tiers[0].entries:
+                return True
+            found = None
+            for tier in self.tiers[1:]:
+                if key in tier.entries:
+                    namespace, found = tier.namespace(key), tier.get(key)
+                    tier.remove(key)
+                    break
+            if found is None and self.disk is not None and key in self.disk:
+                got = self.disk.read(key)
+                if got is not None:
+                    namespace, found = got
+            found = found if found is not None else kv
+            if found is None:
+                self.pins.pop(key)
+                return False
+            self._insert(key, namespace, found, on_disk=self.disk is not None and key in self.disk)
+            ok = key in self.tiers[0].entries
+            if not ok:
+                self.pins.pop(key)
+            return ok
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            self.pins.pop(key, None)
+
+    # --- the rest --------------------------------------------------------------------------
     def drop_namespace(self, namespace: str) -> int:
         """Remove every entry of `namespace` from every tier; how many were removed."""
         with self._lock:
@@ -323,14 +474,36 @@ class ChunkStore:
                 "hits": self.hits,
                 "misses": self.misses,
                 "evictions": self.evictions,
+                "rejected": self.rejected,
                 "ram_bytes": sum(t.bytes for t in self.tiers if t.device.type == "cpu"),
                 "disk_bytes": self.disk.bytes if self.disk is not None else 0,
                 "hit_ratio": self.hits / looked if looked else 0.0,
+                "token_hit_ratio": self.hit_tokens / self.looked_tokens if self.looked_tokens else 0.0,
                 "entries": sum(len(t.entries) for t in self.tiers),
-            }
+                "disk_read_bytes": self.read_bytes["disk"],
+                "redis_read_bytes": self.read_bytes["redis"],
+                "recompute_chosen": self.recompute_chosen,
+                "pinned": sum(1 for k in self.pins if self._pinned(k)),
+                "codec": self.codec,
+            } | self.policy.stats()
             if self.shared is not None:
                 out |= self.shared.stats()
             gpu = sum(t.bytes for t in self.tiers if t.device.type != "cpu")
             if gpu:
                 out["gpu_bytes"] = gpu
             return out
+
+
+def _as_kv(key: str, item: ChunkKV | _Held) -> ChunkKV:
+    if isinstance(item, ChunkKV):
+        return item
+    if item.kv is not None:
+        return item.kv
+    return decode(item.blob, key)[1]
+
+
+def _restored(mtime: float):
+    """What the policy knows of a file found on disk at start: its last write, nothing else."""
+    from .policy import Seen
+
+    return Seen(tokens=0, last=mtime)
