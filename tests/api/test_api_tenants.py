@@ -58,6 +58,17 @@ def test_every_openai_role_is_served(svc):
     assert r.status_code == 422 and "developer" in r.text  # the refusal names the roles
 
 
+T0 = "2026-01-01T00:00:00+00:00"
+
+
+def _doc(messages=(), memories=(), core_blocks=()) -> dict:
+    """An export document (every list present, every row with its time) around the given rows."""
+    messages = [{"created_at": T0, **m} for m in messages]
+    sessions = [{"id": sid, "created_at": T0} for sid in dict.fromkeys(m["session_id"] for m in messages)]
+    return {"version": 1, "sessions": sessions, "messages": messages,
+            "memories": [{"created_at": T0, **m} for m in memories], "core_blocks": list(core_blocks)}
+
+
 def test_bad_text_times_and_numbers_are_4xx_and_store_nothing(svc):
     server, keys, store = svc
     c = _client(svc)
@@ -72,35 +83,39 @@ def test_bad_text_times_and_numbers_are_4xx_and_store_nothing(svc):
         assert r.status_code == 422 and "outside" in r.text, r.text
         r = c.post("/v1/users/timey/messages", json={"messages": [{"role": "user", "content": "x", "event_time": t}]})
         assert r.status_code == 422
-        doc = {"version": 1, "messages": [{"id": 1, "session_id": "s", "role": "user", "text": "ok"},
-                                          {"id": 2, "session_id": "s", "role": "user", "text": "x", "event_time": t}]}
+        doc = _doc([{"id": 1, "session_id": "s", "role": "user", "text": "ok"},
+                    {"id": 2, "session_id": "s", "role": "user", "text": "x", "event_time": t}])
         r = c.post("/v1/users/timey/import", json=doc)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_export"
-    big = b'{"version": 1, "messages": [{"id": 1e400, "session_id": "s", "role": "user", "text": "x"}]}'
-    r = c.post("/v1/users/timey/import", content=big, headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "integer" in r.json()["error"]["message"]
-    r = c.post("/v1/users/timey/import", json={"version": 1, "memories": [{"id": 1, "text": "x", "kind": "k" * 33}]})
-    assert r.status_code == 400
-    r = c.post("/v1/users/timey/import", json={"version": 1, "core_blocks": [{"label": "a", "value": "", "limit": -1}]})
-    assert r.status_code == 400
+        assert r.status_code == 400 and r.json()["error"]["code"] in {"invalid_export", "invalid_input"}, r.text
+        assert "outside" in r.json()["error"]["message"]
+    big = json.dumps(_doc([{"id": 7, "session_id": "s", "role": "user", "text": "x"}])).replace('"id": 7', '"id": 1e400')
+    r = c.post("/v1/users/timey/import", content=big.encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.id")
+    r = c.post("/v1/users/timey/import", json=_doc(memories=[{"id": 1, "text": "x", "kind": "k" * 33}]))
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("memories.0.kind")
+    r = c.post("/v1/users/timey/import", json=_doc(core_blocks=[{"label": "a", "value": "", "limit": -1}]))
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("core_blocks.0.limit")
     assert not {"surr", "timey"} & _users(store, keys)  # no failed request created its user
 
 
 def test_failing_import_leaves_nothing_and_a_retry_duplicates_nothing(svc):
     _, keys, store = svc
     c = _client(svc)
-    msgs = [{"id": i, "session_id": f"s{i % 2}", "role": "user", "text": f"message {i}"} for i in range(6)]
-    mems = [{"id": 1, "text": "Ann keeps bees.", "source_ids": [0]},
+    msgs = [{"id": i, "session_id": f"s{i % 2}", "role": "user", "text": f"message {i}"} for i in range(1, 7)]
+    mems = [{"id": 1, "text": "Ann keeps bees.", "source_ids": [1]},
             {"id": 2, "text": "Ann moved.", "status": "superseded", "superseded_by": 3},
             {"id": 3, "text": "Ann lives in Oslo."}]
-    bad = {"version": 1, "messages": msgs, "memories": [*mems, {"id": 4, "text": ""}]}
+    bad = _doc(msgs, [*mems, {"id": 4, "text": ""}])
     assert c.post("/v1/users/ann/import", json=bad).status_code == 400
     assert "ann" not in _users(store, keys)
-    long = {"version": 1, "messages": [{"id": 1, "session_id": "s", "role": "user", "text": "y" * 4001}]}
+    long = _doc([{"id": 1, "session_id": "s", "role": "user", "text": "y" * 4001}])
     r = c.post("/v1/users/ann/import", json=long)
     assert r.status_code == 400 and r.json()["error"]["code"] == "message_too_long"  # the live limit
-    good = {"version": 1, "messages": msgs, "memories": mems}
-    assert c.post("/v1/users/ann/import", json=good).json() == {"messages": 6, "memories": 3, "core_blocks": 0}
+    good = _doc(msgs, mems)
+    r = c.post("/v1/users/ann/import", json=good)
+    assert r.status_code == 201 and r.json()["created"] == {"sessions": 2, "messages": 6, "memories": 3, "core_blocks": 0}
+    r = c.post("/v1/users/ann/import", json=good)  # the retry
+    assert r.status_code == 200 and r.json()["unchanged"] is True
     tid = keys["acme"][0]
     assert len(store.archive.messages(tid, "ann")) == 6 and len(store.list_sessions(tid, "ann")) == 2
     old = {m.text: m for m in store.list_memories(tid, "ann")}
@@ -376,7 +391,7 @@ def test_idempotency_key_makes_post_retries_safe(svc):
     assert bad.status_code == 422
     ok = c.post("/v1/users/ivy/memories", json={"text": "fine now"}, headers={"Idempotency-Key": "k-2"})
     assert ok.status_code == 201
-    doc = {"version": 1, "memories": [{"id": 1, "text": "imported once"}]}
+    doc = _doc(memories=[{"id": 1, "text": "imported once"}])
     for _ in range(2):
         assert c.post("/v1/users/ivy/import", json=doc, headers={"Idempotency-Key": "k-3"}).status_code == 201
     assert [m.text for m in store.list_memories(tid, "ivy")].count("imported once") == 1

@@ -199,7 +199,12 @@ def test_export_import_and_delete(store):
     store.set_core_block("default", "dave", "human", "Allergy: sesame")
     doc = store.export_user("default", "dave")
     t2 = store.create_tenant("copy")
-    assert store.import_user(t2, "dave", doc) == {"messages": 1, "memories": 2, "core_blocks": 1}
+    r = store.import_user(t2, "dave", doc)
+    assert r["created"] == {"sessions": 1, "messages": 1, "memories": 2, "core_blocks": 1} and r["unchanged"] is False
+    # the source rows' ids are taken in this database: the new ones are returned, references follow them
+    old_ids = {str(m.id) for m in (old, new)}
+    assert set(r["id_map"]["memories"]) == old_ids and set(r["id_map"]["messages"]) == {str(msgs[0].id)}
+    assert store.import_user(t2, "dave", doc)["unchanged"] is True  # a second import changes nothing
     mems = store.list_memories(t2, "dave")
     assert [m.status for m in mems] == ["superseded", "active"] and mems[0].superseded_by == mems[1].id
     assert mems[1].source_ids == [store.archive.messages(t2, "dave")[0].id]
