@@ -220,8 +220,13 @@ class RemoteEngine(ChatText):
 
     @property
     def native_tools(self) -> bool:
-        """Tools, tool_choice and response_format go to the server as they are (chat mode)."""
-        return self.api == "chat"
+        """Tools, tool_choice and response_format go to the server as they are (chat mode).
+        Asked before the turn stores the user's message: a server that is down answers False
+        here, so the message is kept and the turn's own request gives the EngineUnavailable."""
+        try:
+            return self.api == "chat"
+        except EngineUnavailable:
+            return False
 
     # --- identity --------------------------------------------------------------------------
     @property

@@ -445,8 +445,8 @@ def test_reflect_engine_none_reflects_by_templates_and_loads_no_model(tmp_path, 
             time.sleep(0.2)
         services.reflection.stop(5)
         assert services._engine is None and services._local is None
-        with pytest.raises(ValueError, match="local or none"):
-            create_app(Config(data_dir=tmp_path, reflect_engine="remote"), store=s, ui=False, reflect_every_turns=1)
+        with pytest.raises(ValueError, match="local, remote or none"):
+            create_app(Config(data_dir=tmp_path, reflect_engine="bogus"), store=s, ui=False, reflect_every_turns=1)
     finally:
         s.close()
 
