@@ -287,34 +287,42 @@ class ChunkStore:
         found = None
         if self.disk is not None and key in self.disk:
             size = self.disk.size(key)
-            if self.choose_loads and tokens is not None and not self.rates.worth_loading("disk", tokens, size):
-                self.recompute_chosen += 1
-                info["choice"] = "recompute"
+            if self._recompute_instead("disk", tokens, size, info):
                 return None
             t0 = time.perf_counter()
             found = self.disk.read(key)
             if found is not None:
-                self.rates.read("disk", size, time.perf_counter() - t0)
-                self.read_bytes["disk"] += size
-                info["tier"] = "disk"
+                self._count_read("disk", size, t0, info)
         if found is None and self.shared is not None:
             est = int(tokens * self.bytes_per_token) if tokens is not None and self.bytes_per_token else 0
-            if self.choose_loads and tokens is not None and est and not self.rates.worth_loading("redis", tokens, est):
-                self.recompute_chosen += 1
-                info["choice"] = "recompute"
+            if self._recompute_instead("redis", tokens, est or None, info):  # no estimate yet: read
                 return None
             t0 = time.perf_counter()
             got = self.shared.read(key)
             if got is not None:
-                found, size = got[:2], got[2]
-                self.rates.read("redis", size, time.perf_counter() - t0)
-                self.read_bytes["redis"] += size
-                info["tier"] = "redis"
+                found = got[:2]
+                self._count_read("redis", got[2], t0, info)
         if found is not None:
             namespace, kv = found
             self._insert(key, namespace, kv, on_disk=True)
             return kv.to(first.device)
         return None
+
+    def _recompute_instead(self, tier: str, tokens: int | None, nbytes: int | None, info: dict) -> bool:
+        """Whether the measured rates say a prefill of `tokens` costs less than reading `nbytes`
+        from `tier` (counted, and noted in the trace's `info`)."""
+        if (not self.choose_loads or tokens is None or nbytes is None
+                or self.rates.worth_loading(tier, tokens, nbytes)):
+            return False
+        self.recompute_chosen += 1
+        info["choice"] = "recompute"
+        return True
+
+    def _count_read(self, tier: str, nbytes: int, t0: float, info: dict) -> None:
+        """A read from `tier` of `nbytes` that began at `t0`: into the tier's rate and the totals."""
+        self.rates.read(tier, nbytes, time.perf_counter() - t0)
+        self.read_bytes[tier] += nbytes
+        info["tier"] = tier
 
     def _timed(self, tier: str, get, held: _Held | None) -> ChunkKV | None:
         if held is None or held.blob is None:
