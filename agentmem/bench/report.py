@@ -132,7 +132,7 @@ def table(root: Path = RESULTS, readme_dir: Path = Path(".")) -> str:
     for row in ROWS:
         found = current(results(row.bench, row.variant, root))
         if row.more:  # the other variants' latest on each of these CPUs, in the same row
-            extra = {v: {(r.get("gpu"), r["cpu"]): r for _, r in reversed(current(results(row.bench, v, root)))}
+            extra = {v: {(r.get("gpu"), r["cpu"]): r for _, r in current(results(row.bench, v, root))}
                      for v in row.more}
         for path, r in found:
             link = Path(os.path.relpath(path, readme_dir)).as_posix()
