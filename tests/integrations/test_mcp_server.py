@@ -16,11 +16,10 @@ import pytest
 
 pytest.importorskip("mcp")
 
+from _serve import serve  # noqa: E402
 from mcp import Client  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
-
-from _serve import serve  # noqa: E402
 
 TOOLS = {"add_memory", "add_messages", "search_memory", "get_context", "list_memories", "update_memory",
          "delete_memory", "set_core_block"}
@@ -199,6 +198,7 @@ def test_add_messages_continues_names_or_starts_a_session(tmp_path):
     and another user's session of the same id is never written to."""
     from agentmem.config import Config
     from agentmem.integrations.mcp_server import MemoryTools, MessageIn
+    from agentmem.tiers.scope import InvalidId
     from agentmem.tiers.store import MemoryStore
 
     store = MemoryStore(Config(data_dir=tmp_path))
@@ -216,7 +216,7 @@ def test_add_messages_continues_names_or_starts_a_session(tmp_path):
         texts = {u: [m.text for m in store.session_messages("t", u, "trip-2027")] for u in ("ann", "bob")}
         assert texts == {"ann": ["in a named one", "more of it"], "bob": ["mine"]}
         assert [m.text for m in store.session_messages("t", "ann", first)] == ["hello", "again"]
-        with pytest.raises(Exception, match="session_id"):
+        with pytest.raises(InvalidId, match="session_id"):
             add("ann", "x", "a/../b")
     finally:
         store.close()
