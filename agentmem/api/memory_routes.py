@@ -7,6 +7,8 @@ caller's tenant. Reads of a user that does not exist are 404; writes create the 
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 
 from ..tiers.records import NotFound
@@ -16,6 +18,7 @@ from ..tiers.transfer import check_counts
 from .deps import Caller, caller, services
 from .errors import ApiError
 from .inputs import check_ids
+from .pages import DEFAULT_LIMIT, MAX_LIMIT, bad_cursor, decode_cursor, encode_cursor, page, page_limit
 from .schemas import ContextIn, CoreBlockIn, MemoryIn, MemoryPatch, MessagesIn, SearchIn, storable
 
 
@@ -36,11 +39,9 @@ router = APIRouter(prefix="/v1", tags=["memory"], dependencies=[Depends(_ids)])
 
 UserId = Path(description="the user id, as given in chat `user`: 1-128 of A-Z a-z 0-9 _ - . @ :")
 MemoryId = Path(ge=1, le=2**63 - 1, description="a memory id (from listing or adding memories)")
-MAX_LIST = 10_000
-
-
-def _listing(items, limit: int) -> dict:
-    return {"object": "list", "data": [i.to_dict() for i in items[-limit:]] if limit else []}
+Limit = Query(None, description=f"page size, 1-{MAX_LIMIT} (default {DEFAULT_LIMIT}); over it is a 400")
+Cursor = Query(None, description="the `next_cursor` of the previous page (opaque)")
+TURNS_LIMIT = 50
 
 
 def _user(svc, tenant_id: str, user_id: str) -> None:
@@ -66,8 +67,12 @@ def delete_tenant(who: Caller = Depends(caller), svc=Depends(services)) -> dict:
 
 
 @router.get("/users")
-def list_users(who: Caller = Depends(caller), svc=Depends(services)) -> dict:
-    return _listing(svc.store.list_users(who.tenant_id), MAX_LIST)
+def list_users(limit: int | None = Limit, cursor: str | None = Cursor, who: Caller = Depends(caller),
+               svc=Depends(services)) -> dict:
+    """The tenant's users by id, a page at a time (`limit`, `cursor` -> `next_cursor`)."""
+    n = page_limit(limit)
+    after = decode_cursor(cursor, "users", (str,))
+    return page(svc.store.list_users(who.tenant_id, after[0] if after else None, n + 1), n, "users", lambda u: [u.id])
 
 
 @router.delete("/users/{user_id}")
@@ -80,11 +85,15 @@ def delete_user(user_id: str = UserId, who: Caller = Depends(caller), svc=Depend
 # --- memories -----------------------------------------------------------------------------
 @router.get("/users/{user_id}/memories")
 def list_memories(user_id: str = UserId, status: str | None = Query(None, description="active | superseded | all"),
-                  kind: str | None = Query(None, max_length=KIND_CHARS), limit: int = Query(1000, ge=0, le=MAX_LIST),
-                  who: Caller = Depends(caller), svc=Depends(services)) -> dict:
-    """Facts and insights with their status and links (source message ids, superseded_by)."""
+                  kind: str | None = Query(None, max_length=KIND_CHARS), limit: int | None = Limit,
+                  cursor: str | None = Cursor, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """Facts and insights with their status and links (source message ids, superseded_by), by id."""
+    n = page_limit(limit)
+    after = decode_cursor(cursor, "memories", (int,))
     _user(svc, who.tenant_id, user_id)
-    return _listing(svc.store.list_memories(who.tenant_id, user_id, None if status == "all" else status, kind), limit)
+    rows = svc.store.list_memories(who.tenant_id, user_id, None if status == "all" else status, kind,
+                                   after[0] if after else 0, n + 1)
+    return page(rows, n, "memories", lambda m: [m.id])
 
 
 @router.post("/users/{user_id}/memories", status_code=201)
@@ -140,9 +149,14 @@ def context(body: ContextIn, user_id: str = UserId, who: Caller = Depends(caller
 
 # --- core memory ----------------------------------------------------------------------------
 @router.get("/users/{user_id}/core")
-def core_blocks(user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+def core_blocks(user_id: str = UserId, limit: int | None = Limit, cursor: str | None = Cursor,
+                who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """The user's core blocks by label."""
+    n = page_limit(limit)
+    after = decode_cursor(cursor, "core", (str,))
     _user(svc, who.tenant_id, user_id)
-    return _listing(svc.store.core_blocks(who.tenant_id, user_id), MAX_LIST)
+    return page(svc.store.core_blocks(who.tenant_id, user_id, after[0] if after else None, n + 1), n, "core",
+                lambda b: [b.label])
 
 
 @router.put("/users/{user_id}/core/{label}")
@@ -155,16 +169,31 @@ def set_core_block(body: CoreBlockIn, user_id: str = UserId, label: str = Path(m
 
 # --- sessions, messages, traces --------------------------------------------------------------
 @router.get("/users/{user_id}/sessions")
-def list_sessions(user_id: str = UserId, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+def list_sessions(user_id: str = UserId, limit: int | None = Limit, cursor: str | None = Cursor,
+                  who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+    """The user's sessions, oldest first (by creation time, then id)."""
+    n = page_limit(limit)
+    after = decode_cursor(cursor, "sessions", (str, str))
+    key = None
+    if after:
+        try:
+            key = (datetime.fromisoformat(after[0]), after[1])
+        except ValueError:
+            bad_cursor("sessions")
     _user(svc, who.tenant_id, user_id)
-    return _listing(svc.store.list_sessions(who.tenant_id, user_id), MAX_LIST)
+    return page(svc.store.list_sessions(who.tenant_id, user_id, key, n + 1), n, "sessions",
+                lambda s: [s.created_at.isoformat(), s.id])
 
 
 @router.get("/users/{user_id}/sessions/{session_id}/messages")
 def session_messages(session_id: str = Path(description="a session id"), user_id: str = UserId,
-                     limit: int = Query(1000, ge=0, le=MAX_LIST), who: Caller = Depends(caller),
+                     limit: int | None = Limit, cursor: str | None = Cursor, who: Caller = Depends(caller),
                      svc=Depends(services)) -> dict:
-    return _listing(svc.store.session_messages(who.tenant_id, user_id, session_id), limit)
+    """The session's messages, oldest first (by id)."""
+    n = page_limit(limit)
+    after = decode_cursor(cursor, "messages", (int,))
+    rows = svc.store.session_messages(who.tenant_id, user_id, session_id, after[0] if after else 0, n + 1)
+    return page(rows, n, "messages", lambda m: [m.id])
 
 
 @router.post("/users/{user_id}/messages", status_code=201)
@@ -188,11 +217,18 @@ def add_messages(body: MessagesIn, user_id: str = UserId, who: Caller = Depends(
 
 @router.get("/users/{user_id}/turns")
 def turns(user_id: str = UserId, session_id: str | None = Query(None),
-          limit: int = Query(50, ge=1, le=MAX_LIST), who: Caller = Depends(caller), svc=Depends(services)) -> dict:
+          limit: int | None = Query(None, description=f"page size, 1-{MAX_LIMIT} (default {TURNS_LIMIT})"),
+          cursor: str | None = Cursor, who: Caller = Depends(caller), svc=Depends(services)) -> dict:
     """Per-turn traces: prompt segments by tier with tokens and KV fate (reused / blended /
-    prefilled), memories used, TTFT and token counts."""
+    prefilled), memories used, TTFT and token counts. The first page holds the newest turns,
+    each page oldest first; `next_cursor` goes back to older ones."""
+    n = page_limit(limit, TURNS_LIMIT)
+    before = decode_cursor(cursor, "turns", (int,))
     _user(svc, who.tenant_id, user_id)
-    return _listing(svc.store.turns(who.tenant_id, user_id, session_id, limit), limit)
+    rows = svc.store.turns(who.tenant_id, user_id, session_id, n + 1, before[0] if before else None)
+    more, rows = len(rows) > n, rows[-n:]
+    return {"object": "list", "data": [t.to_dict() for t in rows],
+            "next_cursor": encode_cursor("turns", [rows[0].id]) if more else None}
 
 
 @router.get("/stats/cache")

@@ -282,9 +282,13 @@ class Archive:
         with self.tx() as s:
             return s.get(UserRow, (tenant_id, user_id)) is not None
 
-    def list_users(self, tenant_id: str) -> list[R.User]:
+    def list_users(self, tenant_id: str, after: str | None = None, limit: int | None = None) -> list[R.User]:
+        """By id; `after`/`limit`: the page of at most `limit` users with ids after `after`."""
+        q = select(UserRow).where(UserRow.tenant_id == tenant_id)
+        if after is not None:
+            q = q.where(UserRow.id > after)
         with self.tx() as s:
-            rows = s.scalars(select(UserRow).where(UserRow.tenant_id == tenant_id).order_by(UserRow.id))
+            rows = s.scalars(q.order_by(UserRow.id).limit(limit))
             return [R.User(id=r.id, tenant_id=r.tenant_id, created_at=from_db_time(r.created_at)) for r in rows]
 
     def delete_user(self, tenant_id: str, user_id: str) -> None:
@@ -337,11 +341,24 @@ class Archive:
                 MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id)).one()
             return int(n or 0), int(top or 0)
 
-    def list_sessions(self, tenant_id: str, user_id: str) -> list[R.SessionInfo]:
+    def list_sessions(self, tenant_id: str, user_id: str, after: tuple[datetime, str] | None = None,
+                      limit: int | None = None) -> list[R.SessionInfo]:
+        """By (created_at, id); `after`: the page after that (created_at, id), at most `limit`.
+        The page's message counts come from one grouped count."""
+        q = select(SessionRow).where(SessionRow.tenant_id == tenant_id, SessionRow.user_id == user_id)
+        if after is not None:
+            at, sid = to_db_time(after[0]), after[1]
+            q = q.where((SessionRow.created_at > at) | ((SessionRow.created_at == at) & (SessionRow.id > sid)))
         with self.tx() as s:
-            rows = s.scalars(select(SessionRow).where(SessionRow.tenant_id == tenant_id, SessionRow.user_id == user_id)
-                             .order_by(SessionRow.created_at, SessionRow.id))
-            return [self._session_info(s, r) for r in rows]
+            rows = list(s.scalars(q.order_by(SessionRow.created_at, SessionRow.id).limit(limit)))
+            counts: dict[str, int] = {}
+            ids = [r.id for r in rows]
+            for i in range(0, len(ids), 500):
+                counts.update(s.execute(select(MessageRow.session_id, func.count()).where(
+                    MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
+                    MessageRow.session_id.in_(ids[i:i + 500])).group_by(MessageRow.session_id)).all())
+            return [R.SessionInfo(id=r.id, user_id=r.user_id, agent_id=r.agent_id, created_at=from_db_time(r.created_at),
+                                  message_count=int(counts.get(r.id, 0))) for r in rows]
 
     def latest_session(self, tenant_id: str, user_id: str, prefer: str | None = None) -> str | None:
         """`prefer` when the user has that session, else the newest one's id: one indexed
@@ -410,7 +427,7 @@ class Archive:
                 row.name = name
 
     def messages(self, tenant_id: str, user_id: str, session_id: str | None = None, after_id: int = 0,
-                 ids: Iterable[int] | None = None) -> list[R.Message]:
+                 ids: Iterable[int] | None = None, limit: int | None = None) -> list[R.Message]:
         q = select(MessageRow).where(MessageRow.tenant_id == tenant_id, MessageRow.user_id == user_id,
                                      MessageRow.id > after_id)
         if session_id is not None:
@@ -420,7 +437,7 @@ class Archive:
         with self.tx() as s:
             if session_id is not None:
                 self._check_session(s, tenant_id, user_id, session_id)
-            return [_message(r) for r in s.scalars(q.order_by(MessageRow.id))]
+            return [_message(r) for r in s.scalars(q.order_by(MessageRow.id).limit(limit))]
 
     def iter_messages(self, tenant_id: str, user_id: str, after_id: int = 0,
                       batch: int = 2000) -> Iterator[list[R.Message]]:
@@ -580,16 +597,17 @@ class Archive:
                          source_ids=sources, event_time=to_db_time(_as_time(event_time, "event_time")))
 
     def list_memories(self, tenant_id: str, user_id: str, status: str | None = None,
-                      kind: str | None = None) -> list[R.Memory]:
+                      kind: str | None = None, after_id: int = 0, limit: int | None = None) -> list[R.Memory]:
         if status is not None and status not in MEMORY_STATUSES:
             raise InvalidInput(f"status must be one of {MEMORY_STATUSES}, got {status!r}")
-        q = select(MemoryRow).where(MemoryRow.tenant_id == tenant_id, MemoryRow.user_id == user_id)
+        q = select(MemoryRow).where(MemoryRow.tenant_id == tenant_id, MemoryRow.user_id == user_id,
+                                    MemoryRow.id > after_id)
         if status is not None:
             q = q.where(MemoryRow.status == status)
         if kind is not None:
             q = q.where(MemoryRow.kind == kind)
         with self.tx() as s:
-            return [_memory(r) for r in s.scalars(q.order_by(MemoryRow.id))]
+            return [_memory(r) for r in s.scalars(q.order_by(MemoryRow.id).limit(limit))]
 
     def get_memory(self, tenant_id: str, user_id: str, memory_id: int) -> R.Memory:
         with self.tx() as s:
@@ -648,10 +666,13 @@ class Archive:
         return row
 
     # --- core memory blocks ------------------------------------------------------------------
-    def core_blocks(self, tenant_id: str, user_id: str) -> list[R.CoreBlock]:
+    def core_blocks(self, tenant_id: str, user_id: str, after: str | None = None,
+                    limit: int | None = None) -> list[R.CoreBlock]:
+        q = select(CoreBlockRow).where(CoreBlockRow.tenant_id == tenant_id, CoreBlockRow.user_id == user_id)
+        if after is not None:
+            q = q.where(CoreBlockRow.label > after)
         with self.tx() as s:
-            rows = s.scalars(select(CoreBlockRow).where(CoreBlockRow.tenant_id == tenant_id,
-                                                        CoreBlockRow.user_id == user_id).order_by(CoreBlockRow.label))
+            rows = s.scalars(q.order_by(CoreBlockRow.label).limit(limit))
             return [R.CoreBlock(label=r.label, value=r.value, limit=r.char_limit, updated_at=from_db_time(r.updated_at),
                                 version=r.version) for r in rows]
 
@@ -753,8 +774,12 @@ class Archive:
             traces = s.scalars(select(TurnRow.trace).where(*scope, TurnRow.id <= top, reason == "repetition"))
             return {t["message_ids"][-1] for t in traces if len(t.get("message_ids", [])) > 1}, int(top)
 
-    def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50) -> list[R.Turn]:
+    def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50,
+              before_id: int | None = None) -> list[R.Turn]:
+        """The newest `limit` turns (before turn `before_id` if given), oldest first."""
         q = select(TurnRow).where(TurnRow.tenant_id == tenant_id, TurnRow.user_id == user_id)
+        if before_id is not None:
+            q = q.where(TurnRow.id < before_id)
         if session_id is not None:
             q = q.where(TurnRow.session_id == session_id)
         with self.tx() as s:

@@ -83,8 +83,9 @@ class MemoryStore:
     def tenant_for_key_hash(self, key_hash: str) -> str | None:
         return self.archive.tenant_for_key_hash(key_hash)
 
-    def list_users(self, tenant_id: str) -> list[R.User]:
-        return self.archive.list_users(tenant_id)
+    def list_users(self, tenant_id: str, after: str | None = None, limit: int | None = None) -> list[R.User]:
+        """By id; `after`, `limit`: one page (the users after that id)."""
+        return self.archive.list_users(tenant_id, after, limit)
 
     def delete_user(self, tenant_id: str, user_id: str) -> None:
         """Delete the user's rows, vectors and (through the hooks) cached KV."""
@@ -97,16 +98,19 @@ class MemoryStore:
     def open_session(self, tenant_id: str, user_id: str, session_id: str | None = None) -> R.SessionInfo:
         return self.archive.open_session(tenant_id, user_id, session_id)
 
-    def list_sessions(self, tenant_id: str, user_id: str) -> list[R.SessionInfo]:
-        return self.archive.list_sessions(tenant_id, user_id)
+    def list_sessions(self, tenant_id: str, user_id: str, after: tuple[datetime, str] | None = None,
+                      limit: int | None = None) -> list[R.SessionInfo]:
+        """By (created_at, id); `after`, `limit`: one page (the sessions after that key)."""
+        return self.archive.list_sessions(tenant_id, user_id, after, limit)
 
     def latest_session(self, tenant_id: str, user_id: str) -> str | None:
         """The session a call that names none continues: the user's default conversation (the
         one a stateless chat without `session_id` uses) when it exists, else the newest."""
         return self.archive.latest_session(tenant_id, user_id, prefer=default_session_id(tenant_id, user_id))
 
-    def session_messages(self, tenant_id: str, user_id: str, session_id: str) -> list[R.Message]:
-        return self.archive.messages(tenant_id, user_id, session_id=session_id)
+    def session_messages(self, tenant_id: str, user_id: str, session_id: str, after_id: int = 0,
+                         limit: int | None = None) -> list[R.Message]:
+        return self.archive.messages(tenant_id, user_id, session_id=session_id, after_id=after_id, limit=limit)
 
     def add_messages(self, tenant_id: str, user_id: str, session_id: str, messages: Iterable[dict]) -> list[R.Message]:
         """Commit messages to the archive (the full-text index with them, in the same
@@ -125,8 +129,8 @@ class MemoryStore:
         return m
 
     def list_memories(self, tenant_id: str, user_id: str, status: str | None = None,
-                      kind: str | None = None) -> list[R.Memory]:
-        return self.archive.list_memories(tenant_id, user_id, status, kind)
+                      kind: str | None = None, after_id: int = 0, limit: int | None = None) -> list[R.Memory]:
+        return self.archive.list_memories(tenant_id, user_id, status, kind, after_id, limit)
 
     def get_memory(self, tenant_id: str, user_id: str, id: int) -> R.Memory:
         return self.archive.get_memory(tenant_id, user_id, id)
@@ -169,8 +173,9 @@ class MemoryStore:
                                   retrievers=retrievers, own_replies=own_replies)
 
     # --- core memory, summaries, traces ------------------------------------------------------
-    def core_blocks(self, tenant_id: str, user_id: str) -> list[R.CoreBlock]:
-        return self.archive.core_blocks(tenant_id, user_id)
+    def core_blocks(self, tenant_id: str, user_id: str, after: str | None = None,
+                    limit: int | None = None) -> list[R.CoreBlock]:
+        return self.archive.core_blocks(tenant_id, user_id, after, limit)
 
     def set_core_block(self, tenant_id: str, user_id: str, label: str, value: str,
                        limit: int | None = None, create_user: bool = True,
@@ -185,8 +190,10 @@ class MemoryStore:
     def record_turn(self, tenant_id: str, user_id: str, session_id: str, trace: dict) -> R.Turn:
         return self.archive.record_turn(tenant_id, user_id, session_id, trace)
 
-    def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50) -> list[R.Turn]:
-        return self.archive.turns(tenant_id, user_id, session_id, limit)
+    def turns(self, tenant_id: str, user_id: str, session_id: str | None = None, limit: int = 50,
+              before_id: int | None = None) -> list[R.Turn]:
+        """The newest `limit` turns (before `before_id` if given), oldest first."""
+        return self.archive.turns(tenant_id, user_id, session_id, limit, before_id)
 
     # --- export / import ---------------------------------------------------------------------
     def export_user(self, tenant_id: str, user_id: str) -> dict:

@@ -46,14 +46,14 @@ function list(data, ...keys) {
 const U = (user) => `/v1/users/${enc(user)}`;
 
 export const api = {
-  users: async () => list(await request("GET", "/v1/users"), "users"),
+  users: async () => list(await request("GET", "/v1/users?limit=1000"), "users"),
   memories: async (user) => list(await request("GET", `${U(user)}/memories?status=all&limit=1000`), "memories"),
   addMemory: (user, text) => request("POST", `${U(user)}/memories`, { text }),
   correctMemory: (user, id, text) => request("PATCH", `${U(user)}/memories/${enc(id)}`, { text }),
   deleteMemory: (user, id) => request("DELETE", `${U(user)}/memories/${enc(id)}`),
-  coreBlocks: async (user) => list(await request("GET", `${U(user)}/core`), "blocks"),
+  coreBlocks: async (user) => list(await request("GET", `${U(user)}/core?limit=1000`), "blocks"),
   setCoreBlock: (user, label, value) => request("PUT", `${U(user)}/core/${enc(label)}`, { value }),
-  sessions: async (user) => list(await request("GET", `${U(user)}/sessions`), "sessions"),
+  sessions: async (user) => list(await request("GET", `${U(user)}/sessions?limit=1000`), "sessions"),
   messages: async (user, session) =>
     list(await request("GET", `${U(user)}/sessions/${enc(session)}/messages?limit=1000`), "messages"),
   turns: async (user) => list(await request("GET", `${U(user)}/turns?limit=500`), "turns"),
