@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "recall": ("agentmem.bench.recall", "evidence recall on generated multi-session conversations"),
     "recall-cache": ("agentmem.bench.recall_cache", "resident memory over 10,000 users, recall cache bounded vs not"),
     "serve": ("agentmem.bench.serve", "REST service under N concurrent clients"),
+    "listing": ("agentmem.bench.listing", "REST listings at 2,000 users x 2,000 sessions: a page and every page"),
     "replies": ("agentmem.bench.replies", "reply quality (loops, copies, answers) and tool/JSON validity"),
     "mcp": ("agentmem.bench.mcp", "MCP tool latency over stdio and HTTP vs the Python API"),
     "report": ("agentmem.bench.report", "the README's benchmark table from docs/bench/ (--write: into README.md)"),
