@@ -24,6 +24,7 @@ from .tiers.records import Hit, Memory, Message
 
 # what `chat` / `chat_stream` take as keywords: SamplingParams' fields, but the ones the turn fills in
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"copy_sources"}
+TOOL_CALL_OPEN = "<tool_call>"  # api/reply_format.py's CALL_OPEN: a reply that opens with it is a tool call
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TurnTrace:
     evicted: list[int] = field(default_factory=list)
     reply: str = ""
     logprobs: list | None = None  # when asked for: per token (id, logprob, [(id, logprob)])
+    kv_pins: dict | None = None  # a reply that is a tool call: its prompt's chunks pinned {"pinned", "missing"}
 
     def to_dict(self) -> dict:
         s = self.stats
@@ -46,8 +48,11 @@ class TurnTrace:
         stats["cache_hit_ratio"] = s.cache_hit_ratio
         if getattr(s, "server", None):  # a remote engine: what the inference server reported
             stats["server"] = s.server
-        return {"session_id": self.session_id, "segments": self.segments, "memories_used": self.memories_used,
-                "stats": stats, "message_ids": self.message_ids, "evicted": self.evicted, "reply": self.reply}
+        out = {"session_id": self.session_id, "segments": self.segments, "memories_used": self.memories_used,
+               "stats": stats, "message_ids": self.message_ids, "evicted": self.evicted, "reply": self.reply}
+        if self.kv_pins is not None:
+            out["kv_pins"] = self.kv_pins
+        return out
 
 
 class AgentSession:
@@ -187,10 +192,26 @@ class AgentSession:
                                                  [{"role": "assistant", "content": reply}])
                 self.working.push(stored)
                 ids.append(stored[0].id)
+            pins = self._pin_tool_call(ctx, result, reply)
             trace = TurnTrace(self.session_id, _segment_trace(ctx, result.stats), _memories_trace(ctx),
-                              result.stats, ids, evicted, reply, result.logprobs)
+                              result.stats, ids, evicted, reply, result.logprobs, pins)
             self.store.record_turn(self.tenant_id, self.user_id, self.session_id, trace.to_dict())
             self.last_turn = trace
+
+    def _pin_tool_call(self, ctx: Context, result, reply: str) -> dict | None:
+        """A turn whose reply is a tool call keeps its prompt's chunk KV pinned in memory for
+        `tool_pin_s` (AGENTMEM_TOOL_PIN_S): the continuation that brings the tool's result
+        sends the same persona, core blocks and notes again and reuses them, however full the
+        store got while the tool ran. Other pins may still push one out; that continuation's
+        trace then says `kv_pin: evicted`. None: not a tool call, or no chunk KV reuse."""
+        if not ends_in_tool_call(reply, result):
+            return None
+        reuse = getattr(self.engine, "chunk_reuse", None)
+        if reuse is None or reuse.pin_s <= 0:
+            return None
+        # right after the turn's own prefill, so the chunks the store did not admit are
+        # still at hand (ChunkReuse.pin)
+        return reuse.pin(self.engine.tokenize_prompt(ctx.prompt))
 
     def _prepare(self, text: str, persist: bool, exclude: frozenset | set = frozenset()) -> tuple[Context, list[int]]:
         """Fit the working context and assemble the prompt for `text` as the next user turn."""
@@ -297,7 +318,16 @@ def _segment_trace(ctx: Context, stats) -> list[dict]:
         kv = info.get("how") or info.get("kv") or "prefilled"
         out.append({"tier": s.tier, "text": s.text, "tokens": s.tokens, "ref": s.ref, "kv": kv,
                     "recomputed": int(info.get("recomputed", 0))})
+        if "kv_pin" in info:  # a tool call's pin kept this chunk (held), or pressure broke it (evicted)
+            out[-1]["kv_pin"] = info["kv_pin"]
     return out
+
+
+def ends_in_tool_call(reply: str, result=None) -> bool:
+    """Whether a turn's reply is a tool call: it opens with the `<tool_call>` tag the chat
+    API asks the embedded model to write (api/reply_format.py), or a chat engine's provider
+    returned calls of its own."""
+    return reply.lstrip().startswith(TOOL_CALL_OPEN) or bool(getattr(result, "tool_calls", None))
 
 
 def _memories_trace(ctx: Context) -> list[dict]:
