@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from ..config import Config
 from ..engine.engine import DenseKV, Engine, Segment
 from ..engine.kernels import cpu_bf16, cpu_fp32
-from ..engine.linear import INT4_GROUP, Proj, onednn_bf16
+from ..engine.linear import INT4_GROUP, make_proj, onednn_bf16
 from ..engine.loop import EngineLoop
 from ..engine.measured import simd_flags
 from ..engine.model import ModelArgs
@@ -127,7 +127,7 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, budget_s: float = 1.
     fast = dtype == torch.float32 or device.type == "cuda" or onednn_bf16()
     m = 1024 if fast else 256  # emulated bf16 is slow
     x = torch.randn(m, 576, device=device).to(dtype)
-    p = Proj(torch.randn(1536, 576, device=device).to(dtype), fmt=fmt)
+    p = make_proj(torch.randn(1536, 576, device=device).to(dtype), fmt=fmt)
     p.rows_math = rows_math
     p(x)
     best, spent = float("inf"), 0.0

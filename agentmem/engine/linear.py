@@ -9,7 +9,7 @@ the LM head); norms, embeddings, attention and the KV cache stay in the engine d
   slower. Up to `cpu_bf16.MAX_ROWS` rows (decode) the product is the engine's own AVX512-BF16
   kernel over its own packed copy instead (kernels/cpu_bf16.py; ~30% faster over a token,
   and 8 rows cost little more than one). fp32
-  keeps a transposed copy for few-row products (see `Proj`).
+  keeps a transposed copy for few-row products (see `DenseProj`).
 - `int8`: weight-only int8, one scale per output channel (symmetric), activations in the
   engine dtype (`_weight_int8pack_mm`): half the bytes of bf16 per decode step. Up to
   `cpu_bf16.MAX_ROWS` rows on AVX512-BF16, the engine's int8 kernel instead (the weights
@@ -83,20 +83,24 @@ def onednn_bf16() -> bool:
 
 class Proj:
     """x @ w.T (+ bias) for x [N, in] in the dtype of x, with the weight w [out, in] held in
-    format `fmt` (one of WEIGHT_FORMATS). `out_features` and `fmt` say what it is; the tensors
-    it keeps depend on the format and the device."""
+    format `fmt` (one of WEIGHT_FORMATS). One subclass a format, built by `make_proj` once at
+    load: `DenseProj` (fp32, and bf16 off a native-bf16 CPU), `Bf16Proj`, `Int8Proj`, `Int4Proj`.
+    `out_features` and `fmt` say what it is; the tensors it keeps depend on the format and the
+    device. Every class has the fields the planners and hugepages.py read (`w_gemv`, `scale`,
+    `packed`, `q8_route`, `rows_math`, `q4_rows`, `_prefill_w`), None or their default where the
+    format has no such thing."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None, fmt: str | None = None,
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str,
                  transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
         self.out_features, self.in_features = w.shape
-        self.fmt = fmt or {torch.bfloat16: "bf16"}.get(w.dtype, "fp32")
+        self.fmt = fmt
         self.bias = bias
         self.max_rows = transposed_max_rows
         self.w: torch.Tensor | None = None
         self.w_gemv: torch.Tensor | None = None  # the GEMV kernel's layout (cpu_bf16.pack)
+        self.scale: torch.Tensor | None = None
         self.q8_route = "bf16"  # int8: how the GEMV multiplies this weight (cpu_bf16.q8_route when built)
-        self._prefill_w: torch.Tensor | None = None  # int8 with the kernels: the bf16 weight for many rows
-        self._rows_w_t: torch.Tensor | None = None  # int8 on the AVX2 route: the fp32 weight [in, out], many rows
+        self._prefill_w: torch.Tensor | None = None  # int8/int4 with the kernels: the bf16 weight for many rows
         self.w_t: torch.Tensor | None = None
         self.packed = None
         self._key: torch.Tensor | None = None
@@ -107,41 +111,6 @@ class Proj:
         # bf16 rows up to which int4 weights (the q4 route) multiply on the engine's own kernel,
         # past the decode rows (`resolve_q4_rows`; set for the whole model by Engine.load)
         self.q4_rows = cpu_bf16.MAX_ROWS
-        self.w_plain: torch.Tensor | None = None  # the bf16 weight itself, for rows_math fp32
-        cpu = w.device.type == "cpu"
-        if self.fmt in ("int8", "int4") and not cpu:
-            raise ValueError(f"weights {self.fmt!r} run on the CPU only; on {w.device.type} use bf16 or fp32")
-        if self.fmt == "int8":
-            wf = w.float()
-            self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
-            self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-            if cpu_bf16.loaded() is not None and cpu_bf16.fits(w):  # few rows: the int8 kernel
-                # the route chosen for this machine, kept: the layout is built for it
-                self.q8_route = cpu_bf16.q8_route
-                if self.q8_route == "u8" and not cpu_bf16.fits_u8(w):
-                    self.q8_route = "i16" if cpu_bf16.vnni() else "bf16"
-                u8 = self.q8_route == "u8"
-                self.w_gemv = cpu_bf16.pack_u8(self.packed) if u8 else cpu_bf16.pack(self.packed)
-            elif cpu_fp32.loaded() is not None and cpu_bf16.fits(w):  # AVX2 only: fp32 rows on int16
-                self.q8_route = "avx2"
-                self.w_gemv = cpu_bf16.pack(self.packed)
-        elif self.fmt == "int4":
-            if cpu and cpu_bf16.fits_u8(w) and (q4_kernel(torch.bfloat16) or q4_kernel(torch.float32)):
-                # few rows: a q4 kernel (bf16 rows on AVX512-VNNI, fp32 rows on AVX2); `scale`
-                # holds the groups' fp16 d and m
-                self.q8_route = "q4"
-                self.w_gemv, self.scale = cpu_bf16.pack_q4(w)
-            else:
-                self.packed, self.scales_zeros = _int4_pack(w)
-        elif cpu and w.dtype == torch.bfloat16 and onednn_bf16():
-            self.w_plain = w  # the model keeps its dense weights: no copy
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
-            if cpu_bf16.loaded() is not None and cpu_bf16.usable(w):  # few rows: the GEMV kernel
-                self.w_gemv = cpu_bf16.pack(w)
-        else:
-            self.w = w
-            if cpu and transposed_max_rows > 0:
-                self.w_t = w.t().contiguous()
 
     @property
     def key(self) -> torch.Tensor:
@@ -164,49 +133,7 @@ class Proj:
         are instead of rounding them to bf16; elsewhere the result is in the rows' dtype.
         `residual` (`plus`'s): a one-element list whose tensor a oneDNN product adds inside it,
         emptying the list; every other route leaves it there for the caller to add."""
-        if self.fmt == "int8":
-            if self.q8_route == "avx2" and x.dtype == torch.float32:
-                return self._avx2(x)
-            if (self.w_gemv is not None and x.shape[0] <= cpu_bf16.MAX_ROWS and x.dtype == torch.bfloat16
-                    and (lib := cpu_bf16.loaded())):
-                return cpu_bf16.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, out_dtype,
-                                          i16=self.q8_route == "i16")
-            if self.w_gemv is not None and x.dtype == torch.bfloat16:
-                return self._many_rows(x, residual)
-            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
-            return out if self.bias is None else out + self.bias
-        if self.q8_route == "q4":
-            if x.shape[0] <= self.q4_rows and x.dtype == torch.bfloat16 and (lib := cpu_bf16.loaded()):
-                return cpu_bf16.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
-            if x.dtype == torch.bfloat16:
-                return self._many_rows(x, residual)
-            if (x.dtype == torch.float32 and x.shape[0] <= cpu_fp32.Q4_MAX_ROWS
-                    and (lib := cpu_fp32.loaded())):
-                return cpu_fp32.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
-            return self._fp32_rows(x)
-        if self.fmt == "int4":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
-                                                             self.scales_zeros.to(x.dtype))
-            return out if self.bias is None else out + self.bias
-        if self.packed is not None:
-            if self.w_gemv is not None and x.shape[0] <= cpu_bf16.MAX_ROWS and (lib := cpu_bf16.loaded()):
-                return cpu_bf16.gemv(lib, self.w_gemv, x, self.bias, out_dtype)
-            if self.rows_math == "fp32" and self.w_plain is not None:
-                return _widened(x, self.w_plain, self.bias)
-            return _onednn(x, self.packed, self.bias, residual)
-        if (x.dtype == torch.float32 and x.shape[0] <= cpu_fp32.F32_MAX_ROWS and self.w.device.type == "cpu"
-                and (lib := cpu_fp32.f32_kernel()) is not None
-                and (out := cpu_fp32.gemm_f32(lib, self.w, x, self.bias)) is not None):
-            return out  # a few fp32 rows on fp32 weights: decode, a blend's probe (cpu_fp32.F32_MAX_ROWS)
-        if self.w_t is not None and x.shape[0] <= self.max_rows:
-            return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
-        return F.linear(x, self.w, self.bias)
-
-    def dequantized(self) -> torch.Tensor:
-        """The fp32 weight [out, in] an int8 or int4 (q4 route) projection holds."""
-        if self.q8_route == "q4":
-            return cpu_bf16.unpack_q4(self.w_gemv, self.scale)
-        return self.packed.float() * self.scale[:, None]
+        raise NotImplementedError
 
     def plus(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ bias): a layer's residual added to its o or down product. Where many
@@ -224,6 +151,67 @@ class Proj:
         out = self.multiply(x, residual=pending)
         return h + out if pending else out
 
+
+class DenseProj(Proj):
+    """A dense weight as it is (fp32; bf16 on a CPU without native bf16, or off the CPU), with a
+    transposed copy for few rows on the CPU (TRANSPOSED_MAX_ROWS) and, for a few fp32 rows, the
+    AVX2 library's fp32 product (`cpu_fp32.F32_MAX_ROWS`)."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
+        super().__init__(w, bias, fmt, transposed_max_rows)
+        self.w = w
+        if w.device.type == "cpu" and transposed_max_rows > 0:
+            self.w_t = w.t().contiguous()
+
+    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 residual: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if (x.dtype == torch.float32 and x.shape[0] <= cpu_fp32.F32_MAX_ROWS and self.w.device.type == "cpu"
+                and (lib := cpu_fp32.f32_kernel()) is not None
+                and (out := cpu_fp32.gemm_f32(lib, self.w, x, self.bias)) is not None):
+            return out  # a few fp32 rows on fp32 weights: decode, a blend's probe (cpu_fp32.F32_MAX_ROWS)
+        if self.w_t is not None and x.shape[0] <= self.max_rows:
+            return torch.mm(x, self.w_t) if self.bias is None else torch.addmm(self.bias, x, self.w_t)
+        return F.linear(x, self.w, self.bias)
+
+
+class Bf16Proj(Proj):
+    """A bf16 weight on a CPU with native bf16 (`onednn_bf16`), packed once into oneDNN's blocked
+    layout for many rows, and into the engine's GEMV layout for up to `cpu_bf16.MAX_ROWS`
+    (decode) where that library loaded."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
+        super().__init__(w, bias, fmt, transposed_max_rows)
+        self.w_plain = w  # the model keeps its dense weights: no copy (rows_math fp32 widens it)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        if cpu_bf16.loaded() is not None and cpu_bf16.usable(w):  # few rows: the GEMV kernel
+            self.w_gemv = cpu_bf16.pack(w)
+
+    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 residual: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if self.w_gemv is not None and x.shape[0] <= cpu_bf16.MAX_ROWS and (lib := cpu_bf16.loaded()):
+            return cpu_bf16.gemv(lib, self.w_gemv, x, self.bias, out_dtype)
+        if self.rows_math == "fp32":
+            return _widened(x, self.w_plain, self.bias)
+        return _onednn(x, self.packed, self.bias, residual)
+
+
+class _Compact(Proj):
+    """What int8 and int4 share: the dense copies they multiply many rows by, made at the first
+    such call (with the kernels int8 and int4 buy decode speed, not memory)."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
+        if w.device.type != "cpu":
+            raise ValueError(f"weights {fmt!r} run on the CPU only; on {w.device.type} use bf16 or fp32")
+        super().__init__(w, bias, fmt, transposed_max_rows)
+        self._rows_w_t: torch.Tensor | None = None  # the fp32 weight [in, out] for many fp32 rows
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [out, in] this projection holds."""
+        raise NotImplementedError
+
     def _many_rows(self, x: torch.Tensor, residual: list[torch.Tensor] | None = None) -> torch.Tensor:
         """bf16 rows past the kernels' (prefill) for int8 or int4 weights: the dequantized weight
         in bf16, oneDNN-packed once at the first such call and kept (512 rows of the widest
@@ -240,21 +228,104 @@ class Proj:
             return _onednn(x, self._prefill_w, self.bias, residual)
         return F.linear(x, self._prefill_w, self.bias)
 
-    def _avx2(self, x: torch.Tensor) -> torch.Tensor:
-        """int8 on an AVX2-only CPU (fp32 rows): few rows through `cpu_fp32`'s kernel; more
-        (prefill, a blend's recomputed rows) through an fp32 copy of the dequantized weight,
-        stored transposed as the dense fp32 format keeps it and made at the first such call.
-        As with the AVX-512 kernels, int8 buys decode speed here, not memory."""
-        if x.shape[0] <= cpu_fp32.PRODUCT_MAX_ROWS and (lib := cpu_fp32.loaded()):
-            return cpu_fp32.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
-        return self._fp32_rows(x)
-
     def _fp32_rows(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 rows past the AVX2 kernels' for int8 or int4 (q4) weights: the dequantized weight
-        in fp32, transposed, made at the first such call and kept."""
+        in fp32, transposed as the dense fp32 format keeps it, made at the first such call."""
         if self._rows_w_t is None:
             self._rows_w_t = self.dequantized().t().contiguous()
         return torch.mm(x, self._rows_w_t) if self.bias is None else torch.addmm(self.bias, x, self._rows_w_t)
+
+
+class Int8Proj(_Compact):
+    """Weight-only int8, one scale per output channel (symmetric). Few rows on the engine's int8
+    GEMV: bf16 rows on the AVX-512 library's route for this machine (`q8_route`: u8, i16 or bf16,
+    `cpu_bf16.choose_q8`), fp32 rows on the AVX2 library's (`avx2`); many rows on a dense copy
+    (`_many_rows`, `_fp32_rows`); torch's `_weight_int8pack_mm` without a library."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str = "int8",
+                 transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
+        super().__init__(w, bias, fmt, transposed_max_rows)
+        wf = w.float()
+        self.scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.packed = (wf / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        if cpu_bf16.loaded() is not None and cpu_bf16.fits(w):  # few rows: the int8 kernel
+            # the route chosen for this machine, kept: the layout is built for it
+            self.q8_route = cpu_bf16.q8_route
+            if self.q8_route == "u8" and not cpu_bf16.fits_u8(w):
+                self.q8_route = "i16" if cpu_bf16.vnni() else "bf16"
+            u8 = self.q8_route == "u8"
+            self.w_gemv = cpu_bf16.pack_u8(self.packed) if u8 else cpu_bf16.pack(self.packed)
+        elif cpu_fp32.loaded() is not None and cpu_bf16.fits(w):  # AVX2 only: fp32 rows on int16
+            self.q8_route = "avx2"
+            self.w_gemv = cpu_bf16.pack(self.packed)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.packed.float() * self.scale[:, None]
+
+    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 residual: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if self.q8_route == "avx2" and x.dtype == torch.float32:
+            # few rows through cpu_fp32's kernel; more (prefill, a blend's recomputed rows)
+            # through an fp32 copy of the dequantized weight
+            if x.shape[0] <= cpu_fp32.PRODUCT_MAX_ROWS and (lib := cpu_fp32.loaded()):
+                return cpu_fp32.gemv_q8(lib, self.w_gemv, self.scale, x, self.bias)
+            return self._fp32_rows(x)
+        if self.w_gemv is not None and x.dtype == torch.bfloat16:
+            if x.shape[0] <= cpu_bf16.MAX_ROWS and (lib := cpu_bf16.loaded()):
+                return cpu_bf16.gemv_int8(lib, self.w_gemv, self.scale, x, self.bias, out_dtype,
+                                          i16=self.q8_route == "i16")
+            return self._many_rows(x, residual)
+        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.packed, self.scale.to(x.dtype))
+        return out if self.bias is None else out + self.bias
+
+
+class Int4Proj(_Compact):
+    """4-bit weights in groups of INT4_GROUP inputs. Where a q4 kernel runs (bf16 rows on
+    AVX512-VNNI, fp32 rows on AVX2) in llama.cpp's Q4_1 form (`q8_route` "q4", `cpu_bf16.pack_q4`:
+    `w_gemv` the nibbles, `scale` the groups' fp16 d and m), few rows on the kernel (bf16 rows up
+    to `q4_rows`) and more on a dense copy; elsewhere torch's `_weight_int4pack_mm_for_cpu`."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str = "int4",
+                 transposed_max_rows: int = TRANSPOSED_MAX_ROWS):
+        super().__init__(w, bias, fmt, transposed_max_rows)
+        if cpu_bf16.fits_u8(w) and (q4_kernel(torch.bfloat16) or q4_kernel(torch.float32)):
+            self.q8_route = "q4"
+            self.w_gemv, self.scale = cpu_bf16.pack_q4(w)
+        else:
+            self.packed, self.scales_zeros = _int4_pack(w)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [out, in] of the q4 layout."""
+        return cpu_bf16.unpack_q4(self.w_gemv, self.scale)
+
+    def multiply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 residual: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if self.q8_route != "q4":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
+                                                             self.scales_zeros.to(x.dtype))
+            return out if self.bias is None else out + self.bias
+        if x.dtype == torch.bfloat16:
+            if x.shape[0] <= self.q4_rows and (lib := cpu_bf16.loaded()):
+                return cpu_bf16.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias, out_dtype)
+            return self._many_rows(x, residual)
+        if x.dtype == torch.float32 and x.shape[0] <= cpu_fp32.Q4_MAX_ROWS and (lib := cpu_fp32.loaded()):
+            return cpu_fp32.gemv_q4(lib, self.w_gemv, self.scale, x, self.bias)
+        return self._fp32_rows(x)
+
+
+def make_proj(w: torch.Tensor, bias: torch.Tensor | None = None, fmt: str | None = None,
+              transposed_max_rows: int = TRANSPOSED_MAX_ROWS) -> Proj:
+    """The projection of weight w [out, in] (+ bias) in format `fmt` (default: w's own dtype),
+    of the class this machine multiplies that format with: what `Block.pack` and
+    `Transformer.pack` hold. int8 and int4 are refused off the CPU."""
+    fmt = fmt or {torch.bfloat16: "bf16"}.get(w.dtype, "fp32")
+    if fmt == "int8":
+        return Int8Proj(w, bias, fmt, transposed_max_rows)
+    if fmt == "int4":
+        return Int4Proj(w, bias, fmt, transposed_max_rows)
+    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and onednn_bf16():
+        return Bf16Proj(w, bias, fmt, transposed_max_rows)
+    return DenseProj(w, bias, fmt, transposed_max_rows)
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -400,8 +471,8 @@ def fastest(own: str, shape: tuple[int, int], cache_dir: Path, rows_math: str = 
     if rows_math != "bf16":  # prefill multiplies the way the engine will (resolve_rows_math)
         key += f"|rows {rows_math}"
     # int8's many rows multiply a dense copy of the dequantized weight wherever the kernels take
-    # its few rows: fp32 on the AVX2 route (`Proj._avx2`), bf16 through oneDNN (or widened, as
-    # rows_math says) with the AVX512-BF16 kernels (`Proj.multiply`). That is the same product as
+    # its few rows: fp32 on the AVX2 route (`Int8Proj._fp32_rows`), bf16 through oneDNN (or widened, as
+    # rows_math says) with the AVX512-BF16 kernels (`Int8Proj._many_rows`). That is the same product as
     # the dense format's, so timing both would only compare noise: on a noisy 2-core VM, 32
     # against 40 ms once chose fp32 at 2.1x slower decode (Zen 3 VM, 2026-11-26), and 7.7 against
     # 6.5 ms chose bf16 at 0.56x int8's decode on a Zen 4 VM (2026-11-27)
@@ -491,7 +562,7 @@ def resolve_q4_rows(name: str) -> int:
 
 
 def _with_rows_math(fmt: str, shape: tuple[int, int], rows_math: str) -> Proj:
-    p = Proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
+    p = make_proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
     p.rows_math = rows_math
     return p
 
@@ -504,7 +575,7 @@ def _timing_dtype(fmt: str) -> torch.dtype:
 def rows_seconds(fmt: str | Proj, shape: tuple[int, int], rows: int, repeats: int = 3) -> float:
     """Best-of-`repeats` seconds (process CPU time) of one `rows`-row product in format `fmt`
     (or of the projection given)."""
-    p = fmt if isinstance(fmt, Proj) else Proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
+    p = fmt if isinstance(fmt, Proj) else make_proj(torch.randn(shape).to(_timing_dtype(fmt)), fmt=fmt)
     x = torch.randn(rows, shape[1]).to(_timing_dtype(p.fmt))
     p(x)
     best = float("inf")
@@ -526,7 +597,7 @@ def one_row_seconds(fmt: str, shape: tuple[int, int], repeats: int = 200) -> flo
     (78-86 us against 62-75 for bf16 on the EPYC VM) while over a whole token it is 24% faster."""
     dtype = _timing_dtype(fmt)
     copies = max(2, min(256, -(-COLD_BYTES // (shape[0] * shape[1] * 2))))
-    ps = [Proj(torch.randn(shape).to(dtype), fmt=fmt) for _ in range(copies)]
+    ps = [make_proj(torch.randn(shape).to(dtype), fmt=fmt) for _ in range(copies)]
     x = torch.randn(1, shape[1]).to(dtype)
     for p in ps:
         p(x)

@@ -21,7 +21,7 @@ from ..config import engine_switch
 from . import hugepages
 from .kernels import cpu_bf16, cpu_fp32
 from .layers import AttnBackend, RMSNorm, Rotary
-from .linear import Proj
+from .linear import Proj, make_proj
 
 # The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
 LM_HEAD_TRANSPOSED_MAX_ROWS = 2
@@ -106,10 +106,10 @@ class Block(nn.Module):
     def pack(self, fmt: str) -> None:
         """Hold the fused projections in weight format `fmt` (linear.WEIGHT_FORMATS). o and
         down keep no transposed fp32 copy: only the wide qkv and gate/up were measured faster."""
-        self.qkv_p = Proj(self.wqkv, self.bqkv, fmt)
-        self.o_p = Proj(self.o_proj.weight, self.o_proj.bias, fmt, transposed_max_rows=0)
-        self.gate_up_p = Proj(self.w_gate_up, None, fmt)
-        self.down_p = Proj(self.down_proj.weight, None, fmt, transposed_max_rows=0)
+        self.qkv_p = make_proj(self.wqkv, self.bqkv, fmt)
+        self.o_p = make_proj(self.o_proj.weight, self.o_proj.bias, fmt, transposed_max_rows=0)
+        self.gate_up_p = make_proj(self.w_gate_up, None, fmt)
+        self.down_p = make_proj(self.down_proj.weight, None, fmt, transposed_max_rows=0)
 
     def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:
         """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]
@@ -218,7 +218,7 @@ class Transformer(nn.Module):
         # int4 keeps the LM head in int8: one 4-bit head quantizes every logit, and the tied
         # embedding a 4-bit GGUF carries is itself 8-bit (SmolLM2's Q4_1 file: Q8_0)
         head = "int8" if fmt == "int4" else fmt
-        self.head_p = Proj(self.lm_head.weight, None, head, LM_HEAD_TRANSPOSED_MAX_ROWS)
+        self.head_p = make_proj(self.lm_head.weight, None, head, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
         self._weights_arena = None  # the layouts are new: `gather_weights` again
 

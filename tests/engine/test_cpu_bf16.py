@@ -9,7 +9,7 @@ import torch
 from _paged import paged_rows
 
 from agentmem.engine.kernels import cpu_bf16, cpu_fp32
-from agentmem.engine.linear import Proj, onednn_bf16
+from agentmem.engine.linear import make_proj, onednn_bf16
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_proj_uses_the_kernel_for_few_rows_only(lib, monkeypatch):
     if not onednn_bf16():
         pytest.skip("bf16 projections are oneDNN-packed only with native bf16")
     w = torch.randn(256, 128).bfloat16()
-    p = Proj(w)
+    p = make_proj(w)
     calls = []
     real = cpu_bf16.gemv
     monkeypatch.setattr(cpu_bf16, "gemv", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
@@ -194,7 +194,7 @@ def test_the_int8_route_is_measured_once_and_can_be_set(lib, tmp_path, monkeypat
     routes = {}
     for r in cpu_bf16.Q8_ROUTES:  # a projection takes the layout of the route it was built under
         monkeypatch.setattr(cpu_bf16, "q8_route", r)
-        p = Proj(w, fmt="int8")
+        p = make_proj(w, fmt="int8")
         assert p.w_gemv.dtype == (torch.uint8 if r == "u8" else torch.int8)
         routes[r] = p(x).float()
     for r in ("i16", "u8"):
@@ -225,7 +225,7 @@ def test_int8_gemv_on_int8_rows_stays_within_their_quantization(lib, rows, out, 
 
 def test_int8_proj_uses_the_kernel_for_few_rows(lib, monkeypatch):
     w = torch.randn(256, 128).bfloat16()
-    p = Proj(w, fmt="int8")
+    p = make_proj(w, fmt="int8")
     calls = []
     real = cpu_bf16.gemv_int8
     monkeypatch.setattr(cpu_bf16, "gemv_int8", lambda *a, **k: calls.append(a[3].shape[0]) or real(*a, **k))
@@ -298,7 +298,7 @@ def test_int4_proj_keeps_a_4bit_weight_and_uses_the_kernel_for_few_rows(lib, mon
     int8), multiplies few bf16 rows on the kernel and more through its dequantized bf16 copy;
     what it multiplies by is the 4-bit weight itself."""
     w = _q4_weight(256, 128, 3)
-    p = Proj(w.bfloat16(), fmt="int4")
+    p = make_proj(w.bfloat16(), fmt="int4")
     assert p.q8_route == "q4" and torch.equal(p.dequantized(), cpu_bf16.unpack_q4(p.w_gemv, p.scale))
     assert (p.dequantized() - w).abs().max() <= 2 ** -8 * w.abs().max()  # from its bf16 copy: bf16's rounding at most
     calls = []

@@ -8,7 +8,7 @@ import torch
 from _paged import paged_rows
 
 from agentmem.engine.kernels import cpu_bf16, cpu_fp32
-from agentmem.engine.linear import Proj
+from agentmem.engine.linear import make_proj
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_an_fp32_int8_projection_takes_the_kernel_for_few_rows_and_a_dequantized
     g = torch.Generator().manual_seed(3)
     w = torch.randn(192, 576, generator=g) * 0.05
     b = torch.randn(192, generator=g)
-    p = Proj(w, b, fmt="int8")
+    p = make_proj(w, b, fmt="int8")
     assert p.q8_route == "avx2" and p.w_gemv is not None
     ref_w = p.packed.float() * p.scale[:, None]
     calls = []
@@ -484,7 +484,7 @@ def test_fp32_projections_take_gemm_f32_for_few_rows_only(lib, monkeypatch):
     monkeypatch.setattr(cpu_fp32, "gemm_f32", lambda *a: calls.append(a[2].shape[0]) or real(*a))
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(64, 576, generator=g), torch.randn(64, generator=g)
-    p = Proj(w, b, "fp32")
+    p = make_proj(w, b, "fp32")
     few, many = torch.randn(cpu_fp32.F32_MAX_ROWS, 576, generator=g), torch.randn(cpu_fp32.F32_MAX_ROWS + 1, 576, generator=g)
     out_few, out_many = p(few), p(many)
     assert calls == ([cpu_fp32.F32_MAX_ROWS] if cpu_fp32.rows_build() == "avx2" else [])

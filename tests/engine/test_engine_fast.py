@@ -18,10 +18,10 @@ from agentmem.engine.kernels import cpu_bf16
 from agentmem.engine.linear import (
     PREFILL_SLACK,
     ROWS_MATH_GAIN,
-    Proj,
     dense,
     fastest,
     is_four_bit,
+    make_proj,
     pick_weights,
     q4_kernel,
     resolve_rows_math,
@@ -59,12 +59,12 @@ def test_a_projection_in_each_format_multiplies_within_its_error(fmt, dtype, rel
     w, b = 0.05 * torch.randn(192, 128, generator=g), torch.randn(192, generator=g)
     for rows in (1, 7, 600):  # decode, a few rows, past the transposed-copy limit
         x = torch.randn(rows, 128, generator=g)
-        p = Proj(w.to(dtype), b.to(dtype), fmt)
+        p = make_proj(w.to(dtype), b.to(dtype), fmt)
         out = p(x.to(dtype))
         assert out.dtype == dtype and out.shape == (rows, 192)
         ref = x @ w.t() + b
         assert (out.float() - ref).norm() / ref.norm() < rel
-    assert (dense(Proj(w.to(dtype), None, fmt)) - w).abs().max() < 10 * rel * w.abs().max()
+    assert (dense(make_proj(w.to(dtype), None, fmt)) - w).abs().max() < 10 * rel * w.abs().max()
 
 
 def test_int8_and_int4_weights_load_generate_and_stay_near_fp32(tiny_path):
@@ -96,7 +96,7 @@ def test_the_weights_setting_is_checked_and_follows_an_explicit_dtype(tmp_path):
     with pytest.raises(ValueError, match="weights must be"):
         resolve_weights("int3", torch.float32, False, cpu, shape, tmp_path)
     with pytest.raises(ValueError, match="CPU only"):
-        Proj(torch.zeros(4, 32, device="meta"), fmt="int8")
+        make_proj(torch.zeros(4, 32, device="meta"), fmt="int8")
 
 
 @pytest.mark.parametrize("record,four_bit,choice", [
@@ -158,7 +158,7 @@ def test_many_bf16_rows_multiply_widened_to_fp32_alike(fmt):
     rounding, in bf16; few rows (the decode kernels) are not touched by it."""
     g = torch.Generator().manual_seed(1)
     w, b = (0.05 * torch.randn(192, 128, generator=g)).bfloat16(), torch.randn(192, generator=g).bfloat16()
-    p = Proj(w, b, fmt)
+    p = make_proj(w, b, fmt)
     for rows in (3, 64, 600):
         x = torch.randn(rows, 128, generator=g).bfloat16()
         p.rows_math, p._prefill_w = "bf16", None
@@ -527,7 +527,7 @@ def test_bf16_rows_give_their_fp32_sums_where_asked(fmt):
     if cpu_bf16.load() is None:
         pytest.skip(f"no bf16-row kernels here: {cpu_bf16.why_not}")
     g = torch.Generator().manual_seed(1)
-    p = Proj((0.05 * torch.randn(320, 256, generator=g)).bfloat16(), None, fmt)
+    p = make_proj((0.05 * torch.randn(320, 256, generator=g)).bfloat16(), None, fmt)
     if p.w_gemv is None or (fmt == "int4" and p.q8_route != "q4"):
         pytest.skip(f"{fmt} weights do not take the bf16-row kernels on this CPU")
     for rows in (1, 5):
@@ -551,7 +551,7 @@ def test_many_bf16_rows_of_int4_weights_take_the_kernel_where_set():
     assert resolve_q4_rows(Config().q4_rows) == cpu_bf16.MAX_ROWS
     lib = cpu_bf16.load()
     g = torch.Generator().manual_seed(2)
-    p = Proj((0.05 * torch.randn(96, 128, generator=g)).bfloat16(), None, "int4")
+    p = make_proj((0.05 * torch.randn(96, 128, generator=g)).bfloat16(), None, "int4")
     if lib is None or p.q8_route != "q4":
         pytest.skip("no 4-bit kernel for bf16 rows on this CPU")
     x = torch.randn(40, 128, generator=g).bfloat16()
@@ -576,7 +576,7 @@ def test_the_residual_joins_the_product_before_its_rounding(fmt, monkeypatch):
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
     g = torch.Generator().manual_seed(3)
     w, b = (0.05 * torch.randn(192, 128, generator=g)).to(dtype), torch.randn(192, generator=g).to(dtype)
-    p = Proj(w, b, fmt)
+    p = make_proj(w, b, fmt)
     fused = []
     real = linear._onednn_plus
     monkeypatch.setattr(linear, "_onednn_plus", lambda *a: fused.append(1) or real(*a))
