@@ -284,7 +284,7 @@ class ChunkStore:
                 tier.remove(key)
                 self._insert(key, namespace, kv)
                 return kv.to(first.device)
-        found = None
+        found, on_disk = None, False
         if self.disk is not None and key in self.disk:
             size = self.disk.size(key)
             if self._recompute_instead("disk", tokens, size, info):
@@ -293,6 +293,7 @@ class ChunkStore:
             found = self.disk.read(key)
             if found is not None:
                 self._count_read("disk", size, t0, info)
+                on_disk = True
         if found is None and self.shared is not None:
             est = int(tokens * self.bytes_per_token) if tokens is not None and self.bytes_per_token else 0
             if self._recompute_instead("redis", tokens, est or None, info):  # no estimate yet: read
@@ -304,7 +305,9 @@ class ChunkStore:
                 self._count_read("redis", got[2], t0, info)
         if found is not None:
             namespace, kv = found
-            self._insert(key, namespace, kv, on_disk=True)
+            # a Redis hit is offered to the disk tier too: were it not (taken for a disk copy),
+            # every turn whose RAM tier has no room for it would read it from Redis again
+            self._insert(key, namespace, kv, on_disk=on_disk)
             return kv.to(first.device)
         return None
 

@@ -141,3 +141,49 @@ def test_shared_kv_tier_is_bounded_and_survives_redis_stopping(redis_server):
     store.put("k10", "t", _kv(10))
     tier.flush()
     assert client.get("agentmem:kv:k10") is not None and tier.link.up
+
+
+def _model_like(seed: int, tokens: int = 40) -> ChunkKV:
+    """bf16 KV shaped like a model's (K with a few large channels shared by every token)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(4, tokens, 3, 64, generator=g)
+    k[..., :4] = k[..., :4] * 0.3 + 12.0 * torch.randn(4, 1, 3, 4, generator=g)
+    v = torch.randn(4, tokens, 3, 64, generator=g) * 0.5
+    return ChunkKV(k.bfloat16(), v.bfloat16(), context="ctx")
+
+
+@pytest.mark.parametrize("codec,most", [("int8", 0.6), ("int4", 0.35)])
+def test_shared_kv_tier_carries_compressed_kv_between_replicas(redis_server, tmp_path, codec, most):
+    """Replica a writes a chunk through Redis in the store's codec; replica b reads it back
+    within the codec's error bound, counts the bytes it read, and keeps a copy on its own disk
+    (its RAM has no room), so the next read of it is the disk's, not Redis's again."""
+    from agentmem.kvreuse import codec as kvcodec
+
+    tiers = [SharedTier(_link(redis_server.url), budget=1 << 24) for _ in range(2)]
+    a = ChunkStore([("cpu", 1 << 24)], shared=tiers[0], codec=codec)
+    b = ChunkStore([("cpu", 1024)], tmp_path / "disk-b", 1 << 24, shared=tiers[1], codec=codec)
+    kv = _model_like(1)
+    a.put("k1", "tenant-a", kv)
+    a.put("k2", "tenant-a", _model_like(2))
+    tiers[0].flush()
+    client = tiers[0].link.client
+    value = client.get("agentmem:kv:k1")
+    assert kvcodec.codec_of(value) == codec and len(value) <= most * kv.nbytes
+
+    got, info = b.lookup("k1", tokens=40)
+    assert info["tier"] == "redis" and got.context is None  # an approximation: blended, never an exact prefix
+    for name, ref, back in (("k", kv.k, got.k), ("v", kv.v, got.v)):
+        err = (back.float() - ref.float()).abs().amax(dim=(1, 2, 3))
+        # bf16 output rounding on top of the codec's own bound
+        assert (err <= kvcodec.error_bound(ref, codec, name) + ref.float().abs().amax(dim=(1, 2, 3)) * 2.0 ** -8).all()
+    assert b.stats()["redis_read_bytes"] == len(value) and "k1" in b.disk
+    again, info = b.lookup("k1", tokens=40)
+    assert info["tier"] == "disk" and torch.equal(again.k, got.k)
+    assert b.stats()["redis_hits"] == 1 and b.stats()["redis_read_bytes"] == len(value)
+
+    # a corrupt compressed value is a miss, and is deleted
+    raw = bytearray(client.get("agentmem:kv:k2"))
+    raw[len(raw) // 2] ^= 0x10
+    client.set("agentmem:kv:k2", bytes(raw))
+    # (no length given: no load-or-recompute choice, which the rates measured above might make)
+    assert b.get("k2") is None and client.get("agentmem:kv:k2") is None and tiers[1].corrupt == 1
