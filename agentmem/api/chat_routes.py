@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from ..engine.weights import DEFAULT_MODEL_ID
+from ..tiers.records import NotFound
 from .chat import TurnResult, now
 from .deps import Caller, caller, services
 from .disconnect import until_disconnected
@@ -174,6 +175,8 @@ def _sse(cid: str, model: str, tenant_id: str, req: ChatCompletionRequest, first
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # the status line is gone: report in-band, as OpenAI does
         yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.code, exc.param))}\n\n"
+    except NotFound as exc:  # its user or tenant was deleted while it streamed: what a new request gets
+        yield f"data: {json.dumps(error_body(str(exc), 'not_found_error', 'not_found'))}\n\n"
     except Exception as exc:
         yield f"data: {json.dumps(error_body(str(exc), 'api_error', 'stream_failed'))}\n\n"
     finally:

@@ -161,6 +161,8 @@ class TenantSlots:
         self.limit, self.wait_s, self.queue, self.what = limit, wait_s, queue, what
         self._slots: dict[str, threading.BoundedSemaphore] = {}
         self._waiting: dict[str, int] = {}
+        self._running: dict[str, int] = {}
+        self._when_idle: dict[str, list[Callable[[], None]]] = {}
         self._lock = threading.Lock()
 
     def _busy(self, why: str) -> ApiError:
@@ -171,11 +173,14 @@ class TenantSlots:
         """Take one of the tenant's slots; returns the function that gives it back (calling
         it again does nothing)."""
         if self.limit <= 0:
-            return lambda: None
+            with self._lock:
+                self._running[tenant_id] = self._running.get(tenant_id, 0) + 1
+            return _once(lambda: self._left(tenant_id, None))
         with self._lock:
             slot = self._slots.setdefault(tenant_id, threading.BoundedSemaphore(self.limit))
             if slot.acquire(blocking=False):
-                return _once(slot.release)
+                self._running[tenant_id] = self._running.get(tenant_id, 0) + 1
+                return _once(lambda: self._left(tenant_id, slot))
             if self._waiting.get(tenant_id, 0) >= self.queue:
                 raise self._busy(f"{self.limit} {self.what} of this tenant are running and {self.queue} waiting")
             self._waiting[tenant_id] = self._waiting.get(tenant_id, 0) + 1
@@ -188,7 +193,31 @@ class TenantSlots:
                     self._waiting[tenant_id] = left
         if not got:
             raise self._busy(f"more than {self.limit} {self.what} of this tenant are running")
-        return _once(slot.release)
+        with self._lock:
+            self._running[tenant_id] = self._running.get(tenant_id, 0) + 1
+        return _once(lambda: self._left(tenant_id, slot))
+
+    def _left(self, tenant_id: str, slot: threading.BoundedSemaphore | None) -> None:
+        if slot is not None:
+            slot.release()
+        with self._lock:
+            left = self._running.pop(tenant_id, 1) - 1
+            if left > 0:
+                self._running[tenant_id] = left
+                return
+            hooks = self._when_idle.pop(tenant_id, [])
+        for hook in hooks:
+            hook()
+
+    def when_idle(self, tenant_id: str, hook: Callable[[], None]) -> None:
+        """Call `hook` once none of the tenant's requests of this kind runs: now if none does,
+        else when the last one running now ends (a deleted tenant's turns still in flight
+        may write cached KV after its deletion dropped it; this drops it again)."""
+        with self._lock:
+            if self._running.get(tenant_id, 0) > 0:
+                self._when_idle.setdefault(tenant_id, []).append(hook)
+                return
+        hook()
 
     @contextmanager
     def hold(self, tenant_id: str) -> Iterator[None]:

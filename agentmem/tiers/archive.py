@@ -196,7 +196,7 @@ class Archive:
 
     def delete_tenant(self, tenant_id: str) -> None:
         with self.tx() as s:
-            if s.get(TenantRow, tenant_id) is None:
+            if s.get(TenantRow, tenant_id, with_for_update=True) is None:  # writers wait (_hold)
                 raise NotFound(f"tenant {tenant_id!r} not found")
             for table in (*_USER_TABLES, IdempotencyRow, ApiKeyRow, UserRow):
                 s.execute(delete(table).where(table.tenant_id == tenant_id))
@@ -269,6 +269,7 @@ class Archive:
         user (or tenant) behind. `create=False` (background work such as reflection) never
         brings back a user deleted meanwhile."""
         user_id = clean_text(user_id, "user_id")
+        self._hold(s, tenant_id, user_id)
         if s.get(UserRow, (tenant_id, user_id)) is not None:
             return user_id  # a user stored before ids were checked stays usable (tenant fix-ids)
         if not create:
@@ -277,6 +278,21 @@ class Archive:
         self._tenant_in(s, _scope_id(tenant_id, "tenant_id"))
         _add_once(s, UserRow(tenant_id=tenant_id, id=user_id))
         return user_id
+
+    def _hold(self, s: Session, tenant_id: str, user_id: str) -> None:
+        """Before a write checks that its user (or tenant) is there: hold what a deletion needs,
+        so the check and the write are one step against a concurrent delete. Otherwise a
+        delete committed between them leaves the write's rows behind, orphans of a deleted
+        user or tenant. SQLite: take the write lock now (a write statement that changes
+        nothing), so what the check reads is the newest state and no deletion commits before
+        this transaction does. PostgreSQL: share-lock the tenant and user rows, which a
+        deletion locks for update first; its deletes then see this write's rows."""
+        if s.bind.dialect.name == "sqlite":
+            s.execute(text("UPDATE tenants SET id = id WHERE 0"))
+            return
+        s.execute(select(TenantRow.id).where(TenantRow.id == tenant_id).with_for_update(read=True))
+        s.execute(select(UserRow.id).where(UserRow.tenant_id == tenant_id, UserRow.id == user_id)
+                  .with_for_update(read=True))
 
     def user_exists(self, tenant_id: str, user_id: str) -> bool:
         with self.tx() as s:
@@ -293,7 +309,7 @@ class Archive:
 
     def delete_user(self, tenant_id: str, user_id: str) -> None:
         with self.tx() as s:
-            if s.get(UserRow, (tenant_id, user_id)) is None:
+            if s.get(UserRow, (tenant_id, user_id), with_for_update=True) is None:  # writers wait (_hold)
                 raise NotFound(f"user {user_id!r} not found")
             for table in (*_USER_TABLES, IdempotencyRow):
                 s.execute(delete(table).where(table.tenant_id == tenant_id, table.user_id == user_id))
@@ -405,6 +421,7 @@ class Archive:
             for row, name in zip(rows, transcript_speakers([row.text for row in rows]), strict=True):
                 row.name = name
         with self.tx() as s:
+            self._hold(s, tenant_id, user_id)
             self._check_session(s, tenant_id, user_id, session_id)
             if unnamed and all(row.name is None for row in rows):
                 self._known_prefixes(s, tenant_id, user_id, rows)
@@ -744,6 +761,8 @@ class Archive:
 
     def save_summary(self, tenant_id: str, user_id: str, session_id: str, text: str, upto_message_id: int) -> R.Summary:
         with self.tx() as s:
+            self._hold(s, tenant_id, user_id)
+            self._check_session(s, tenant_id, user_id, session_id)
             row = SummaryRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, text=text,
                              upto_message_id=upto_message_id)
             s.add(row)
@@ -752,6 +771,8 @@ class Archive:
 
     def record_turn(self, tenant_id: str, user_id: str, session_id: str, trace: dict) -> R.Turn:
         with self.tx() as s:
+            self._hold(s, tenant_id, user_id)  # a turn that ends after its user was deleted stores nothing
+            self._check_session(s, tenant_id, user_id, session_id)
             row = TurnRow(tenant_id=tenant_id, user_id=user_id, session_id=session_id, trace=trace)
             s.add(row)
             s.flush()

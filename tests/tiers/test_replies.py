@@ -70,6 +70,8 @@ def test_looped_replies_are_read_from_turn_traces(backend, tmp_path, request):
 
     url = request.getfixturevalue("pg_url") if backend == "postgresql" else f"sqlite:///{tmp_path / 'a.db'}"
     a = Archive(url)
+    for user in ("u", "v"):  # a turn is recorded in an existing session (never an orphan of a deleted user)
+        a.open_session("t", user, "s")
     a.record_turn("t", "u", "s", {"stats": {"finish_reason": "repetition"}, "message_ids": [1, 2]})
     a.record_turn("t", "u", "s", {"stats": {"finish_reason": "stop"}, "message_ids": [3, 4]})
     a.record_turn("t", "v", "s", {"stats": {"finish_reason": "repetition"}, "message_ids": [5, 6]})
