@@ -17,19 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import engine_switch
-from . import hugepages
-from .kernels import cpu_bf16, cpu_fp32
+from . import fused_decode, hugepages
 from .layers import AttnBackend, RMSNorm, Rotary
 from .linear import Proj, make_proj
 
 # The 49k-wide LM head in fp32: transposed is ~1.8x faster for 1-2 rows, 3-13% slower from 8.
 LM_HEAD_TRANSPOSED_MAX_ROWS = 2
-# Decode rows (at most 8) of a layer whose weights are all int8 on the u8 route run the whole
-# layer as one C call when the runner hands over the paged pool (cpu_bf16.layer_q8u8), else each
-# half of it (qkv_q8u8, finish_q8u8). AGENTMEM_FUSED_DECODE=off keeps the separate calls: a
-# kernel A/B switch read here, as AGENTMEM_ATTN_KERNEL and AGENTMEM_GEMV are in cpu_bf16.
-FUSED_DECODE = engine_switch("FUSED_DECODE") != "off"
 
 
 @dataclass(frozen=True)
@@ -86,6 +79,8 @@ class Block(nn.Module):
         self.o_p: Proj | None = None
         self.gate_up_p: Proj | None = None
         self.down_p: Proj | None = None
+        # the CPU library's layer kernels this block's forward asks first (fused_decode.py), chosen by `pack`
+        self.kernels: fused_decode.Reference = fused_decode.REFERENCE
 
     def fuse(self) -> None:
         """Concatenate q/k/v and gate/up weights so each is one matmul; the per-projection
@@ -110,6 +105,13 @@ class Block(nn.Module):
         self.o_p = make_proj(self.o_proj.weight, self.o_proj.bias, fmt, transposed_max_rows=0)
         self.gate_up_p = make_proj(self.w_gate_up, None, fmt)
         self.down_p = make_proj(self.down_proj.weight, None, fmt, transposed_max_rows=0)
+        self.set_kernels()
+
+    def set_kernels(self, fused: bool | None = None) -> None:
+        """Choose the layer kernels for this block's rows and packed weights (`fused_decode.choose`;
+        `fused` False: the fused decode calls off, default AGENTMEM_FUSED_DECODE)."""
+        projs = (self.qkv_p, self.o_p, self.gate_up_p, self.down_p)
+        self.kernels = fused_decode.choose(self.input_norm.weight, projs, fused)
 
     def qkv_fused(self, h: torch.Tensor) -> torch.Tensor:
         """Un-rotated q, k, v heads of hidden states h [N, dim], side by side: [N, H+2KV, hd]
@@ -130,23 +132,12 @@ class Block(nn.Module):
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP."""
         attn = attn_out.reshape(attn_out.shape[0], -1)
-        projs = (self.o_p, self.gate_up_p, self.down_p)
-        if (h.shape[0] <= cpu_bf16.MAX_FINISH_ROWS and not torch.compiler.is_compiling()
-                and (lib := cpu_bf16.loaded()) and FUSED_DECODE
-                and cpu_bf16.finish_takes(h, attn, projs, self.post_norm.weight)):
-            # decode rows: one C call and one team of threads for the seven steps below (same bits)
-            return cpu_bf16.finish_q8u8(lib, h, attn, *projs, self.post_norm.weight, self.post_norm.eps)
+        if (out := self.kernels.finish(self, h, attn)) is not None:
+            return out
         h = self.o_p.plus(h, attn)
         gu = self.gate_up_p(self.post_norm(h))
-        if (gu.dtype == torch.bfloat16 and gu.device.type == "cpu" and gu.dim() == 2 and gu.shape[0] > 1
-                and gu.stride(1) == 1 and not torch.compiler.is_compiling() and (lib := cpu_bf16.loaded())):
-            # one C call, bit-identical (Zen 4 VM, 2 threads: 2,048 rows 0.95 against 2.14 ms, 320 rows
-            # 0.14 against 0.25, 8 rows 0.010 against 0.013; one row is faster through torch)
-            return self.down_p.plus(h, cpu_bf16.silu_mul(lib, gu))
-        if (gu.dtype == torch.float32 and gu.device.type == "cpu" and gu.dim() == 2 and gu.stride(1) == 1
-                and not torch.compiler.is_compiling() and (lib := cpu_fp32.loaded())):
-            # fp32 rows on an AVX2 CPU: the bits `cpu_fp32.layer_q8` computes (decode rows there)
-            return h + self.down_p(cpu_fp32.silu_mul(lib, gu))
+        if (out := self.kernels.mlp(self, h, gu)) is not None:
+            return out
         gate, up = gu.chunk(2, dim=-1)
         return h + self.down_p(F.silu(gate) * up)
 
@@ -158,34 +149,10 @@ class Block(nn.Module):
         attn: AttnBackend,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if (out := self.kernels.layer(self, h, positions, rotary, attn, cos_sin)) is not None:
+            return out
         a = self.args
         qk_end = a.n_heads + a.n_kv_heads
-        if (h.dtype == torch.float32 and h.shape[0] <= cpu_fp32.MAX_ROWS and FUSED_DECODE
-                and (paged := getattr(attn, "decode_pool", None)) is not None
-                and not torch.compiler.is_compiling() and (lib := cpu_fp32.loaded())):
-            # fp32 decode rows on the AVX2 int8 route: the whole layer in one C call
-            cos_sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
-            pool, slots, idx, keep = paged
-            out = cpu_fp32.layer_q8(lib, self, h, *cos_sin, pool.k[self.idx], pool.v[self.idx], slots, idx, keep)
-            if out is not None:
-                return out
-        if (h.shape[0] <= cpu_bf16.MAX_FINISH_ROWS and FUSED_DECODE and self.q_norm is None
-                and not torch.compiler.is_compiling() and (lib := cpu_bf16.loaded())):
-            cos, sin = cos_sin if cos_sin is not None else rotary.cos_sin(positions)
-            if (paged := getattr(attn, "decode_pool", None)) is not None:
-                # decode rows over the paged pool: the whole layer in one C call (same bits)
-                pool, slots, idx, keep = paged
-                out = cpu_bf16.layer_q8u8(lib, self, h, cos, sin, pool.k[self.idx], pool.v[self.idx], slots, idx,
-                                          keep)
-                if out is not None:
-                    return out
-            if cpu_bf16.qkv_takes(h, self.qkv_p, self.input_norm.weight, cos, a.head_dim):
-                # decode rows: norm, qkv and the rotation of q and k in one C call (same bits)
-                qkv, qk = cpu_bf16.qkv_q8u8(lib, h, self.input_norm.weight, self.input_norm.eps, self.qkv_p,
-                                            cos, sin, qk_end, a.head_dim)
-                k, v = qkv[:, a.n_heads : qk_end], qkv[:, qk_end:]
-                return self.finish(h, attn(self.idx, qk[:, : a.n_heads], k, qk[:, a.n_heads :], v))
-            cos_sin = cos, sin
         qkv = self.qkv_fused(h)
         # q and k are adjacent in the fused projection: rotate both in one call
         qk = rotary.apply(qkv[:, :qk_end], positions, cos_sin)
@@ -207,6 +174,7 @@ class Transformer(nn.Module):
         self._avx2_layers = None  # cpu_fp32.layers_q8's table of the layers' weights (built at first use)
         self._weights_arena = None  # the projections' GEMV layouts in huge pages (set by `pack`)
         self._u8_layers = None  # cpu_bf16.layers_q8u8's table, the same for bf16 rows on the u8 route
+        self.kernels: fused_decode.Reference = fused_decode.REFERENCE  # a decode step's (set by `pack`)
 
     def pack(self, fmt: str) -> None:
         """Put every projection and the LM head in weight format `fmt` (see linear.py). The
@@ -221,6 +189,14 @@ class Transformer(nn.Module):
         self.head_p = make_proj(self.lm_head.weight, None, head, LM_HEAD_TRANSPOSED_MAX_ROWS)
         self.weights = fmt
         self._weights_arena = None  # the layouts are new: `gather_weights` again
+        self.kernels = fused_decode.choose(self.norm.weight, self.projections()[:-1])
+
+    def set_kernels(self, fused: bool | None = None) -> None:
+        """Choose the layer kernels again, of every layer and of a whole step (`Block.set_kernels`;
+        `fused` False: the fused decode calls off, default AGENTMEM_FUSED_DECODE)."""
+        for layer in self.layers:
+            layer.set_kernels(fused)
+        self.kernels = fused_decode.choose(self.norm.weight, self.projections()[:-1], fused)
 
     def gather_weights(self) -> None:
         """Move what decode streams (the projections' GEMV layouts), in the order it reads it,
@@ -262,19 +238,8 @@ class Transformer(nn.Module):
         (default: every row)."""
         h = self.embed_tokens(ids)
         cos_sin = self.rotary.cos_sin(positions)
-        out = None
-        paged = getattr(attn, "decode_pool", None) if FUSED_DECODE and not torch.compiler.is_compiling() else None
-        if paged is not None and h.dtype == torch.float32 and h.shape[0] <= cpu_fp32.MAX_ROWS \
-                and (lib := cpu_fp32.loaded()):
-            # fp32 decode rows on the AVX2 int8 route: every layer in one C call (the per-layer
-            # call below, without Python between the layers)
-            out = cpu_fp32.layers_q8(lib, self, h, *cos_sin, *paged)
-        elif paged is not None and h.dtype == torch.bfloat16 and h.shape[0] <= cpu_bf16.MAX_FINISH_ROWS \
-                and (lib := cpu_bf16.loaded()):
-            # bf16 decode rows on the u8 route (AVX-512 VNNI): the same, one call for all layers
-            out = cpu_bf16.layers_q8u8(lib, self, h, *cos_sin, *paged)
-        if out is not None:
-            h = out
+        if (out := self.kernels.step(self, h, cos_sin, attn)) is not None:
+            h = out  # a decode step's every layer in one call
         else:
             for layer in self.layers:
                 h = layer(h, positions, self.rotary, attn, cos_sin)

@@ -622,6 +622,7 @@ def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
     calls = []
     real = cpu_bf16.silu_mul
     monkeypatch.setattr(cpu_bf16, "silu_mul", lambda *a: calls.append(1) or real(*a))
+    from agentmem.engine import model as M
     from agentmem.engine.model import Block, ModelArgs
 
     args = ModelArgs(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, vocab_size=10, hidden_dim=inner,
@@ -632,7 +633,9 @@ def test_silu_mul_rounds_as_torch(lib, rows, inner, monkeypatch):
     h, att = torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(rows, 2, 32, generator=g).bfloat16()
     fast = block.finish(h, att)
     assert calls == [1]
-    monkeypatch.setattr(cpu_bf16, "loaded", lambda: None)  # torch's ops (and products)
+    monkeypatch.setattr(cpu_bf16, "loaded", lambda: None)  # torch's ops (and products), chosen at packing
+    block.pack("bf16")
+    assert block.kernels is M.fused_decode.REFERENCE
     slow = block.finish(h, att)
     assert calls == [1] and (slow.float() - fast.float()).abs().max() <= 2e-2 * slow.float().abs().max()
 
@@ -657,11 +660,12 @@ def test_fused_finish_is_bit_identical_to_the_separate_calls(lib, monkeypatch, f
     calls = []
     real = cpu_bf16.finish_q8u8
     monkeypatch.setattr(cpu_bf16, "finish_q8u8", lambda *a: calls.append(1) or real(*a))
+    assert isinstance(block.kernels, M.fused_decode.Bf16Fused)
     fused = block.finish(h, attn)
-    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    block.set_kernels(fused=False)
     separate = block.finish(h, attn)
     assert calls == [1] and torch.equal(fused, separate) and fused.abs().max() > 0
-    monkeypatch.setattr(M, "FUSED_DECODE", True)
+    block.set_kernels(fused=True)
     many = torch.randn(cpu_bf16.MAX_FINISH_ROWS + 1, 128).bfloat16()
     block.finish(many, torch.randn(len(many), 4, 32).bfloat16())
     assert calls == [1]  # nine rows: the separate calls
@@ -695,7 +699,7 @@ def test_fused_layer_halves_are_bit_identical_to_the_separate_calls(lib, monkeyp
     real = cpu_bf16.qkv_q8u8
     monkeypatch.setattr(cpu_bf16, "qkv_q8u8", lambda *a: calls.append(1) or real(*a))
     fused = block(h, pos, rotary, attn)
-    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    block.set_kernels(fused=False)
     separate = block(h, pos, rotary, attn)
     assert calls == [1] and torch.equal(fused, separate)
     assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
@@ -746,7 +750,7 @@ def test_a_fused_decode_layer_over_a_paged_pool_is_bit_identical(lib, monkeypatc
         pool.v[i].index_copy_(0, slots, v)
         return cpu_bf16.decode_attention(lib, q, pool.k[i], pool.v[i], idx.flatten(), keep)
 
-    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    block.set_kernels(fused=False)
     separate = block(h, pos, rotary, attn)
     assert torch.equal(fused, separate) and torch.equal(fused_pool.k, pool.k) and torch.equal(fused_pool.v, pool.v)
     assert not torch.equal(pool.k, k0)  # the rows' keys were written

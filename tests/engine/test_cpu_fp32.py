@@ -349,7 +349,8 @@ def test_a_fused_fp32_decode_layer_over_a_paged_pool_is_bit_identical(lib, monke
         pool.v[i].index_copy_(0, slots, v.to(kv))
         return cpu_fp32.decode_attention(lib, q, pool.k[i], pool.v[i], idx, keep)
 
-    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    assert isinstance(block.kernels, M.fused_decode.Fp32Fused)
+    block.set_kernels(fused=False)
     separate = block(h, pos, rotary, attn)
     assert calls == [1] and torch.equal(fused, separate)
     assert torch.equal(fused_pool.k, pool.k) and torch.equal(fused_pool.v, pool.v)
@@ -399,7 +400,7 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
             return cpu_fp32.decode_attention(lib, q, pool.k[i], pool.v[i], idx, keep)
 
         attn.decode_pool = (pool, slots, idx, keep)
-        monkeypatch.setattr(M, "FUSED_DECODE", fused)
+        model.set_kernels(fused=fused)
         return model(ids, pos, attn), pool
 
     (one_call, p1), (separate, p2) = run(True), run(False)
@@ -408,7 +409,6 @@ def test_a_whole_fp32_decode_step_in_one_call_is_bit_identical(lib, monkeypatch,
     model.layers[1].q_norm, model.layers[1].k_norm = M.RMSNorm(32, 1e-5), M.RMSNorm(32, 1e-5)  # not taken
     model.pack(fmt)  # resets the table of pointers
     calls.clear()
-    monkeypatch.setattr(M, "FUSED_DECODE", True)
     assert model._avx2_layers is None
     run(True)
     assert calls == [] and model._avx2_layers is False

@@ -86,6 +86,50 @@ def test_int8_and_int4_weights_load_generate_and_stay_near_fp32(tiny_path):
     assert errs["int4"][2] > 0.9, errs
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_layer_kernels_are_chosen_when_the_weights_are_packed(dtype, monkeypatch):
+    """Which library's layer kernels a block and a model take (fused_decode.choose) is settled by
+    `pack`: the fused decode calls where the rows' library loaded and the weights are on its
+    routes (u8/q4 for bf16 rows, avx2/q4 for fp32 ones), its separate calls for other weights or
+    with the fused calls off, nothing without the library or off the CPU. (No product runs here:
+    stand-in libraries.)"""
+    from agentmem.engine import fused_decode as FD
+    from agentmem.engine import model as M
+    from agentmem.engine.kernels import cpu_fp32
+
+    bf16 = dtype == torch.bfloat16
+    lib, other = (cpu_bf16, cpu_fp32) if bf16 else (cpu_fp32, cpu_bf16)
+    fused, rows = (FD.Bf16Fused, FD.Bf16Rows) if bf16 else (FD.Fp32Fused, FD.Fp32Rows)
+    monkeypatch.setattr(cpu_bf16, "q8_route", "u8")  # the route int8 weights take when built
+    monkeypatch.setattr(other, "_lib", None)
+    args = M.ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=192, head_dim=32)
+    model = M.Transformer(args).to(dtype)
+    for blk in model.layers:
+        blk.fuse()
+    monkeypatch.setattr(lib, "_lib", None)
+    model.pack("int8")
+    assert model.kernels is FD.REFERENCE and all(b.kernels is FD.REFERENCE for b in model.layers)
+    stand_in = object()
+    monkeypatch.setattr(lib, "_lib", stand_in)
+    assert model.kernels is FD.REFERENCE  # not asked again until the weights are packed
+    model.pack("int8")
+    assert type(model.kernels) is fused and model.kernels.lib is stand_in
+    assert all(type(b.kernels) is fused for b in model.layers)
+    model.set_kernels(fused=False)
+    assert type(model.kernels) is rows and all(type(b.kernels) is rows for b in model.layers)
+    monkeypatch.setenv("AGENTMEM_FUSED_DECODE", "off")
+    model.pack("int4")
+    assert type(model.kernels) is rows
+    monkeypatch.delenv("AGENTMEM_FUSED_DECODE")
+    model.pack("bf16" if bf16 else "fp32")  # dense weights: nothing to fuse
+    assert type(model.kernels) is rows and all(type(b.kernels) is rows for b in model.layers)
+    with torch.device("meta"):
+        block = M.Block(args, 0).to(dtype)
+    block.fuse()
+    block.pack("bf16" if bf16 else "fp32")
+    assert block.kernels is FD.REFERENCE
+
+
 def test_the_weights_setting_is_checked_and_follows_an_explicit_dtype(tmp_path):
     cpu = torch.device("cpu")
     shape = (256, 64)
@@ -454,6 +498,7 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     if cpu_bf16.loaded() is None:
         pytest.skip(f"no bf16 kernels: {cpu_bf16.why_not}")
     assert e.model.layers[0].o_p.q8_route == "u8"
+    assert isinstance(e.model.kernels, M.fused_decode.Bf16Fused)  # chosen when it was packed
     fused_rows = []
     real = cpu_bf16.layers_q8u8
     monkeypatch.setattr(cpu_bf16, "layers_q8u8",
@@ -462,7 +507,7 @@ def test_a_fused_decode_layer_gives_the_separate_calls_greedy_tokens(tmp_path_fa
     one = [ids(30, seed=1)]
     got_one = drive(e, EngineLoop(e), one, 64)
     assert fused_rows and set(fused_rows) == {1}
-    monkeypatch.setattr(M, "FUSED_DECODE", False)
+    e.model.set_kernels(fused=False)
     fused_rows.clear()
     assert got_one == drive(e, EngineLoop(e), one, 64)
     assert fused_rows == []
