@@ -1,5 +1,6 @@
 """Fair share between tenants: in the engine's scheduler one tenant's 16
-streams do not starve another's one, and the service runs only a few of one tenant's memory
+streams do not starve another's one (decode slots and prefill budget shared by weight,
+preemption of the tenant over its share), and the service runs only a few of one tenant's memory
 requests at once. Pure scheduling, no model."""
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def test_a_quiet_tenant_is_admitted_beside_a_flood():
     _decode_all(sched)
     running = [s.salt for s in sched.running]
     assert "quiet" in running  # first-come-first-served would have filled all 16 slots with noisy
-    assert running.count("noisy") == sched.tenant_cap == 14
+    assert running.count("noisy") == 8  # its share while quiet waited: half the batch
+    _decode_all(sched)  # nobody else waits now: noisy fills up to its cap
+    assert [s.salt for s in sched.running].count("noisy") == sched.tenant_cap == 14
 
 
 def test_waiting_tenants_take_turns_and_one_tenant_alone_still_batches():
@@ -43,6 +46,122 @@ def test_waiting_tenants_take_turns_and_one_tenant_alone_still_batches():
         alone.add(_seq("only"))
     _decode_all(alone)
     assert len(alone.running) == alone.tenant_cap == 14
+
+
+def _run(sched: Scheduler) -> list:
+    """One step as the engine loop runs it: every scheduled sequence computes its tokens and
+    samples one once its prompt is in; a sequence that reached max_new is finished."""
+    batch = sched.schedule()
+    for sc in batch:
+        sc.seq.num_computed += sc.n
+        if sc.seq.num_pending == 0:
+            sc.seq.token_ids.append(1)
+            if len(sc.seq.generated) >= sc.seq.max_new:
+                sched.remove(sc.seq)
+    return batch
+
+
+def _long(tenant: str, n: int = 6, new: int = 10_000) -> Sequence:
+    return Sequence(list(range(100, 100 + n)), SamplingParams(max_tokens=new), max_new=new, salt=tenant)
+
+
+def test_a_tenant_under_its_share_takes_a_slot_from_the_one_over_its_own():
+    sched = Scheduler(BlockManager(4096, 16), max_batch=8, prefill_chunk=512, tenant_cap=8)
+    for _ in range(8):
+        sched.add(_long("a"))
+    for _ in range(3):
+        _run(sched)
+    assert [s.salt for s in sched.running] == ["a"] * 8  # alone, it may fill the batch
+    sched.add(_seq("b"))
+    sched.add(_seq("b"))
+    batch = _run(sched)
+    running = [s.salt for s in sched.running]
+    assert running.count("b") == 2 and running.count("a") == 6 and sched.preemptions == 2
+    # the two preempted are a's newest, waiting first in line, and out of this step's batch
+    assert [s.salt for s in sched.waiting] == ["a", "a"]
+    assert all(sc.seq in sched.running for sc in batch)
+    for _ in range(20):  # b's two finish; a gets its slots back (nobody else waits)
+        _run(sched)
+    assert [s.salt for s in sched.running] == ["a"] * 8 and not sched.waiting
+
+
+def test_slots_follow_the_weights():
+    sched = Scheduler(BlockManager(4096, 16), max_batch=8, prefill_chunk=512, tenant_cap=8,
+                      weights={"gold": 3.0})
+    for _ in range(8):
+        sched.add(_long("plain"))
+        sched.add(_long("gold"))
+    for _ in range(3):
+        _run(sched)
+    running = [s.salt for s in sched.running]
+    assert running.count("gold") == 6 and running.count("plain") == 2
+
+
+def test_the_prefill_budget_is_split_between_tenants_with_prompts():
+    sched = Scheduler(BlockManager(4096, 16), max_batch=8, prefill_chunk=64, idle_chunk=64)
+    sched.add(_long("a", n=1000))
+    sched.add(_long("a", n=1000))
+    _run(sched)
+    sched.add(_seq("b", n=10))  # a short prompt arrives while a's long ones are being prefilled
+    batch = _run(sched)
+    given = {sc.seq.salt: 0 for sc in batch}
+    for sc in batch:
+        given[sc.seq.salt] += sc.n
+    assert given == {"a": 54, "b": 10}  # b's whole prompt in its first step; a keeps the rest
+    # two tenants with long prompts: the tokens each is given stay level
+    for _ in range(10):
+        sched.add(_long("b", n=1000))
+    totals = {"a": 0, "b": 0}
+    for _ in range(20):
+        for sc in _run(sched):
+            if sc.n > 1:
+                totals[sc.seq.salt] += sc.n
+    assert totals["a"] == totals["b"] == 20 * 32
+
+
+def test_a_planned_prompt_is_not_kept_waiting_by_anothers_chunks():
+    sched = Scheduler(BlockManager(4096, 16), max_batch=8, prefill_chunk=64)
+    for _ in range(4):
+        sched.add(_long("a", n=2000))
+    _run(sched)
+    planned = _seq("b", n=300)
+    planned.parts = [(planned.token_ids, True, None)]  # the prefill planner fills it, whole
+    sched.add(planned)
+    steps = 0
+    while not any(sc.plan for sc in _run(sched)):
+        steps += 1
+        assert steps < 5, "the planned prompt waits behind a's chunks"
+    # preempted after it began its reply, it is recomputed by the model: the planner fills prompts only
+    assert planned.generated
+    sched._preempt(planned)
+    assert planned.parts is None and planned.num_pending == len(planned.token_ids)
+
+
+def test_a_short_request_takes_as_many_steps_beside_eight_long_streams_as_alone():
+    """The scheduling half of the fairness figure: a 4-token reply to a short prompt needs 4
+    steps alone, and 4 beside another tenant's 8 streams that never end (on the engine it is
+    the same number of forwards, each a row wider)."""
+
+    def steps_for_short(sched: Scheduler) -> int:
+        seq = Sequence(list(range(100, 140)), SamplingParams(max_tokens=4), max_new=4, salt="short")
+        sched.add(seq)
+        n = 0
+        while seq in sched.running or seq in sched.waiting:
+            _run(sched)
+            n += 1
+        return n
+
+    alone = steps_for_short(Scheduler(BlockManager(4096, 16), max_batch=8, prefill_chunk=512))
+    busy = Scheduler(BlockManager(4096, 16), max_batch=8, prefill_chunk=512)
+    for _ in range(8):
+        busy.add(_long("long", n=400))
+    for _ in range(5):
+        _run(busy)
+    assert len(busy.running) == 7  # its cap: an eighth of the batch stays free
+    beside = [steps_for_short(busy) for _ in range(3)]
+    assert alone == 4 and beside == [4, 4, 4]
+    busy.add(_long("long", n=400))  # a ninth long stream queues behind its tenant's cap
+    assert steps_for_short(busy) == 4
 
 
 def test_preemption_takes_from_the_tenant_holding_the_most():
