@@ -1,4 +1,5 @@
-"""`agentmem tenant create NAME | list | delete ID | key ID`: tenants and API keys.
+"""`agentmem tenant create NAME | list | delete ID | key ID | fix-ids [ID]`: tenants, API keys,
+and the one-time repair of ids stored before they were checked (`tiers/fix_ids.py`).
 
 A key is printed once, when it is made; only its sha256 is stored, so a lost key cannot be
 recovered, only replaced (`key`).
@@ -29,6 +30,11 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("key", help="add another API key to a tenant and print it")
     k.add_argument("tenant_id")
     k.add_argument("--name", default="")
+    f = sub.add_parser("fix-ids", help="rename (or --delete) users and sessions whose ids no URL can carry, "
+                                       "printing old -> new; run with the service stopped")
+    f.add_argument("tenant_id", nargs="?", help="only this tenant (default: every tenant)")
+    f.add_argument("--delete", action="store_true", help="delete those users and sessions instead")
+    f.add_argument("--dry-run", action="store_true", help="only print what would change")
     return p
 
 
@@ -52,6 +58,11 @@ def main(argv: list[str]) -> int:
         elif args.action == "list":
             tenants = [t.to_dict() for t in store.list_tenants()]
             _out(args, {"tenants": tenants}, "\n".join(f"{t['id']}  {t['name']}  {t['created_at']}" for t in tenants))
+        elif args.action == "fix-ids":
+            from ..tiers.fix_ids import fix_ids
+
+            out = fix_ids(store, args.tenant_id, delete=args.delete, dry_run=args.dry_run)
+            _out(args, out, _fixed_text(out))
         else:
             store.delete_tenant(args.tenant_id)
             drop_cached_kv(store.config, None, args.tenant_id)
@@ -62,6 +73,15 @@ def main(argv: list[str]) -> int:
     finally:
         store.close()
     return 0
+
+
+def _fixed_text(out: dict) -> str:
+    verb = "would " if out["dry_run"] else ""
+    lines = [f"{t['tenant_id']}  user {t['old']!r} -> " + (repr(t["new"]) if t["new"] else f"{verb}deleted")
+             for t in out["users"]]
+    lines += [f"{t['tenant_id']}  user {t['user_id']!r} session {t['old']!r} -> "
+              + (repr(t["new"]) if t["new"] else f"{verb}deleted") for t in out["sessions"]]
+    return "\n".join(lines) or "every user and session id is addressable: nothing to fix"
 
 
 def _out(args, data: dict, text: str) -> None:
