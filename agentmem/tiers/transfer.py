@@ -57,11 +57,19 @@ def _clean(value: str) -> str:
 Text = Annotated[StrictStr, AfterValidator(_clean)]  # every text of the document is checked
 
 
+def _storable_time(t: datetime) -> datetime:
+    to_db_time(t)  # InvalidInput (a ValueError) when its UTC form is out of range: the error names the field
+    return t
+
+
+Time = Annotated[datetime, AfterValidator(_storable_time)]
+
+
 class DocSession(BaseModel):
     model_config = ConfigDict(extra="ignore")
     id: Text
     agent_id: Text = Field("default", max_length=NAME_CHARS)
-    created_at: datetime
+    created_at: Time
 
 
 class DocMessage(BaseModel):
@@ -70,8 +78,8 @@ class DocMessage(BaseModel):
     session_id: Text
     role: Literal["system", "user", "assistant", "tool"]
     text: Text
-    created_at: datetime
-    event_time: datetime | None = None
+    created_at: Time
+    event_time: Time | None = None
     compressed_text: Text | None = None
     name: Text | None = Field(None, max_length=NAME_CHARS)
     keys: Text | None = None
@@ -87,9 +95,9 @@ class DocMemory(BaseModel):
     status: Literal["active", "superseded"] = "active"
     superseded_by: RowId | None = None
     source_ids: list[RowId] = []
-    event_time: datetime | None = None
-    created_at: datetime
-    updated_at: datetime | None = None
+    event_time: Time | None = None
+    created_at: Time
+    updated_at: Time | None = None
 
 
 class DocBlock(BaseModel):
@@ -97,7 +105,7 @@ class DocBlock(BaseModel):
     label: Text = Field(min_length=1, max_length=LABEL_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
     value: Text
     limit: StrictInt = Field(2000, ge=1, le=MAX_BLOCK_LIMIT)
-    updated_at: datetime | None = None
+    updated_at: Time | None = None
 
 
 class ExportDoc(BaseModel):
