@@ -153,6 +153,18 @@ def codec_of(data: bytes) -> str | None:
         return None
 
 
+def layout(data: bytes) -> dict[str, int]:
+    """Where a blob's bytes go: header (magic, length, JSON), and for a quantized blob the
+    codes and the scales with minimums of K and V (`bench kvstore` reports their shares)."""
+    n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 4], "little")
+    head = json.loads(data[len(_MAGIC) + 4 : len(_MAGIC) + 4 + n])
+    out = {"header": len(_MAGIC) + 4 + n}
+    if head.get("codec", "raw") == "raw" or head.get("entropy"):
+        return out | {"payload": head["payload"]}
+    kc, ks, kl, vc, vs, vl = head["sizes"]
+    return out | {"k_codes": kc, "k_scales": ks + kl, "v_codes": vc, "v_scales": vs + vl}
+
+
 def _decode(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
     magic = data[: len(_MAGIC)]
     if magic not in (_MAGIC, _MAGIC_RAW1) or len(data) < len(_MAGIC) + 4:

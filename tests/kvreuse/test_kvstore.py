@@ -267,3 +267,14 @@ def test_a_pin_brings_a_chunk_not_admitted_into_memory():
     kv.context = None
     assert not store.put("short", "", kv)
     assert store.pin("short", 10.0, kv) and store.get("short", tokens=40) is not None
+
+
+@pytest.mark.parametrize("codec", kvcodec.CODECS)
+def test_a_blobs_layout_accounts_for_every_byte(codec):
+    kv = kv_like(tokens=40)
+    blob = kvcodec.encode("key", "ns", kv, codec, entropy=False)
+    parts = kvcodec.layout(blob)
+    assert sum(parts.values()) == len(blob) and parts["header"] < 512
+    if codec == "int4":  # two codes a byte; per channel K scales in groups of 20 tokens, V in groups of 32
+        assert parts["k_codes"] == parts["v_codes"] == kv.k.numel() // 2
+        assert parts["k_scales"] == 4 * kv.k.numel() // 20 and parts["v_scales"] == 4 * kv.v.numel() // 32
