@@ -141,7 +141,7 @@ def refusal_error(url: str, status: int, detail: str, body: dict, what: str) -> 
 
 
 class ToolCalls:
-    """Tool calls as a stream delivers them: fragments by index, joined."""
+    """Tool calls as a stream delivers them: fragments by index, their arguments joined."""
 
     def __init__(self):
         self.calls: dict[int, dict] = {}
@@ -153,7 +153,8 @@ class ToolCalls:
             call["id"] = d.get("id") or call["id"]
             call["type"] = d.get("type") or call["type"]
             fn = d.get("function") or {}
-            call["function"]["name"] += fn.get("name") or ""
+            # the name comes whole, in the first fragment (llama-cpp-python repeats it in each)
+            call["function"]["name"] = call["function"]["name"] or fn.get("name") or ""
             args = fn.get("arguments")
             call["function"]["arguments"] += args if isinstance(args, str) else json.dumps(args) if args else ""
 

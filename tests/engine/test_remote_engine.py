@@ -23,14 +23,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
     reason="llama-cpp-python is not installed: `make test` builds and installs it (the remote engine's peer)")
 
-WINDOW = 4096
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = LlamaServer(tmp_path_factory.mktemp("llama") / "llama.log", n_ctx=WINDOW)
-    yield s
-    s.kill()
+WINDOW = 4096  # the shared server's (`llama_server`, conftest.py)
 
 
 def _config(tmp_path, url: str, **kw) -> Config:
@@ -38,8 +31,8 @@ def _config(tmp_path, url: str, **kw) -> Config:
 
 
 @pytest.fixture
-def remote(server, tmp_path) -> RemoteEngine:
-    e = load_engine(_config(tmp_path, server.url))
+def remote(llama_server, tmp_path) -> RemoteEngine:
+    e = load_engine(_config(tmp_path, llama_server.url))
     yield e
     e.close()
 
