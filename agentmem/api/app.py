@@ -126,7 +126,7 @@ class Services:
             self.keys.drop_tenant(tenant_id)
             # a turn of the tenant still running may store chunks after the drop above: drop
             # them again when its last one ends
-            self.chat_slots.when_idle(tenant_id, lambda: drop_cached_kv(self.config, self._engine, tenant_id))
+            self.chat_slots.after_running(tenant_id, lambda: drop_cached_kv(self.config, self._engine, tenant_id))
 
 
 def _mount_mcp(app: FastAPI, services: Services) -> None:

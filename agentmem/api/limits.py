@@ -209,15 +209,15 @@ class TenantSlots:
         for hook in hooks:
             hook()
 
-    def when_idle(self, tenant_id: str, hook: Callable[[], None]) -> None:
-        """Call `hook` once none of the tenant's requests of this kind runs: now if none does,
-        else when the last one running now ends (a deleted tenant's turns still in flight
-        may write cached KV after its deletion dropped it; this drops it again)."""
+    def after_running(self, tenant_id: str, hook: Callable[[], None]) -> bool:
+        """Call `hook` when the last of the tenant's requests of this kind running now ends;
+        False (and no call) when none runs. A deleted tenant's turns still in flight may
+        write cached KV after its deletion dropped it: this drops it again."""
         with self._lock:
-            if self._running.get(tenant_id, 0) > 0:
-                self._when_idle.setdefault(tenant_id, []).append(hook)
-                return
-        hook()
+            if self._running.get(tenant_id, 0) <= 0:
+                return False
+            self._when_idle.setdefault(tenant_id, []).append(hook)
+            return True
 
     @contextmanager
     def hold(self, tenant_id: str) -> Iterator[None]:
