@@ -307,12 +307,15 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
         from .memory_reflect import run as run_reflect_conditions
 
         result |= run_reflect_conditions(store, engine, config, workload, prepare, args.max_tokens,
-                                         use_model=args.reflect_model, rate=args.compress_rate)
+                                         use_model=args.reflect_model, rate=args.compress_rate,
+                                         compress=not args.no_compress,
+                                         remote=bool(config.engine_url) and config.reflect_engine == "remote")
     result |= {"questions": len(hist), "users": args.users, "turns_per_user": args.turns, "seed": args.seed,
                "import_s": import_s, "recall_k": config.recall_k, "context_budget": config.context_budget,
                "model": engine.model_id, "sampling": dict(engine.sampling_defaults)}
     if config.engine_url:  # what the server reported over the memory turns (remote.RemoteStats)
-        stats = [t.trace["stats"] for h in workload for t in store.turns("bench", h.user, limit=1000)]
+        traces = [t.trace for h in workload for t in store.turns("bench", h.user, limit=1000)]
+        stats = [tr["stats"] for tr in traces]
         cached = [st["server"]["cached_tokens"] for st in stats if st.get("server")]
         result |= {"engine": "remote", "server": config.engine_url,
                    "token_counts": "server" if engine.counts_on_server else "local tokenizer files",
@@ -323,11 +326,39 @@ def run_engine(config, args, with_conditions: bool) -> tuple[dict, list[Outcome]
         if None in cached:
             result["server_cached_tokens_reason"] = ("the server reported no cached tokens (no usage."
                                                      "prompt_tokens_details.cached_tokens, no timings.cache_n)")
+        result["engine_api"] = engine.api
+        if engine.api == "chat":
+            result |= chat_turns(engine, traces)
     else:
         result |= {"engine": "embedded", "dtype": str(engine.dtype).removeprefix("torch."),
                    "weights": engine.weights, "device": str(engine.device)}
     store.close()
     return result, outcomes
+
+
+def chat_turns(engine, traces: list[dict], checked: int = 3) -> dict:
+    """Chat mode's figures over the memory turns: the messages a turn sent, the budget's state
+    at the end, and the token estimator's error on these turns' prompts (bench/estimator.py:
+    the bound an unknown model's tokenizer would get, against the default model's own count),
+    whose reference count is checked against the server's `usage.prompt_tokens` (a one-token,
+    unstreamed reply) on the first `checked` prompts."""
+    from ..engine.remote_chat import to_messages
+    from .estimator import counts, measure, trace_prompts
+
+    prompts = trace_prompts(traces)
+    pairs = counts(engine.tokenizer, prompts, engine.chat)
+    out = {"chat_messages_mean": statistics.mean(t["stats"]["server"]["messages"] for t in traces),
+           "chat_dropped_notes": sum(t["stats"]["server"]["dropped_notes"] for t in traces),
+           "chat_budget": engine.budget.to_dict()}
+    if len(pairs) > 3:
+        out |= measure(pairs)
+    agree = 0
+    for segs, (_, real) in list(zip(prompts, pairs, strict=True))[:checked]:
+        r = engine.http.post("/v1/chat/completions", json={"model": engine.model_id, "max_tokens": 1,
+                                                           "messages": to_messages(segs, engine.chat)})
+        agree += (r.json().get("usage") or {}).get("prompt_tokens") == real
+    out |= {"estimator_reference_checked": min(checked, len(pairs)), "estimator_reference_matches_server": agree}
+    return out
 
 
 def server_log_share(log: str, prompt_tokens: int) -> dict:
@@ -367,7 +398,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--llama-threads", type=int, default=1, help="with --llama-server: its threads")
     ap.add_argument("--embedded-peer", action="store_true",
                     help="remote runs: the same workload on the embedded engine too, in this run")
+    ap.add_argument("--engine-url", default=None,
+                    help="an OpenAI-compatible server answers (engine: remote), as AGENTMEM_ENGINE_URL")
+    ap.add_argument("--engine-api", choices=("auto", "chat", "completions"), default=None,
+                    help="remote runs: the server's route (AGENTMEM_ENGINE_API); chat adds the estimator's error")
+    ap.add_argument("--no-compress", action="store_true", help="skip the compression condition")
+    ap.add_argument("--reflect-remote", action="store_true",
+                    help="remote runs: reflection on the server too (AGENTMEM_REFLECT_ENGINE=remote), beside the "
+                         "embedded reflection")
     args = ap.parse_args(argv)
+    if args.engine_url and args.llama_server:
+        ap.error("--engine-url and --llama-server both name the server: give one")
     if args.sampling_seeds < 1:
         ap.error("--sampling-seeds must be at least 1")
     if args.quick:
@@ -379,7 +420,7 @@ def main(argv: list[str]) -> int:
     from ..config import Config
 
     with ExitStack() as stack:
-        engine_url = None
+        engine_url, remote = args.engine_url, {}
         if args.llama_server:
             from ..engine.llama_server import LlamaServer
 
@@ -387,8 +428,14 @@ def main(argv: list[str]) -> int:
             print(f"starting llama-cpp-python's server on the default GGUF (log in {log})", file=sys.stderr)
             server = stack.enter_context(LlamaServer(log, n_ctx=args.llama_ctx, threads=args.llama_threads))
             engine_url = server.url
-        config = Config(data_dir=tempfile.mkdtemp(prefix="agentmem-bench-"), dtype=args.dtype,
-                        **({"engine_url": engine_url} if engine_url else {}))
+            remote["engine_context"] = args.llama_ctx  # llama-cpp-python's server states no window
+        if engine_url:
+            remote["engine_url"] = engine_url
+            if args.engine_api:
+                remote["engine_api"] = args.engine_api
+            if args.reflect_remote:
+                remote["reflect_engine"] = "remote"
+        config = Config(data_dir=tempfile.mkdtemp(prefix="agentmem-bench-"), dtype=args.dtype, **remote)
         result, outcomes = run_engine(config, args, with_conditions=True)
         if config.engine_url and args.llama_server:
             result |= server_log_share(server.log_text(), result["server_prompt_tokens"])

@@ -81,9 +81,11 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def run(store, engine, config, workload, prepare, max_tokens: int, use_model: bool = False,
-        rate: float | None = None) -> dict:
+        rate: float | None = None, compress: bool = True, remote: bool = False) -> dict:
     """The benchmark keys of reflection and compression. `prepare(store, engine, config,
-    workload, tenant)` imports the workload (the memory benchmark's function)."""
+    workload, tenant)` imports the workload (the memory benchmark's function). `remote`: the
+    reflection on the remote engine's server too (`run_remote`), beside the embedded one;
+    without `compress` the compression condition is left out."""
     prepare(store, engine, config, workload, "bench-plain")
     plain = ask_all(store, engine, config, workload, "bench-plain", max_tokens, "plain")
 
@@ -91,14 +93,83 @@ def run(store, engine, config, workload, prepare, max_tokens: int, use_model: bo
     turns = sum(len(m) for h in workload for m in h.sessions)
     t0 = time.perf_counter()
     facts = 0
+    # the embedded reflection: the templates, and with `use_model` the embedded model's constrained
+    # decoding (loaded beside a remote engine: it reads the model's tensors)
+    local = None
+    if use_model:
+        from ..engine import local_engine
+
+        local = local_engine(engine, config)
     for h in workload:
-        r = reflect(store, engine, "bench-reflect", h.user, use_model=use_model)
+        r = reflect(store, local or engine, "bench-reflect", h.user, use_model=use_model)
         facts += len(r.facts_added)
         print(f"  reflect {h.user}: {r.messages_read} messages, {len(r.facts_added)} facts, "
               f"{len(r.superseded)} superseded, {r.seconds:.1f}s", file=sys.stderr)
     reflect_s = time.perf_counter() - t0
     reflected = ask_all(store, engine, config, workload, "bench-reflect", max_tokens, "reflect")
+    out = {
+        "accuracy_no_reflect": _rate(plain, "correct"),
+        "accuracy_reflect": _rate(reflected, "correct"),
+        "accuracy_no_reflect_changed": _rate(plain, "correct", True),
+        "accuracy_reflect_changed": _rate(reflected, "correct", True),
+        "evidence_recall_reflect": _rate(reflected, "evidence"),
+        "reflect_s_per_100_turns": 100 * reflect_s / turns,
+        "reflect_facts": facts,
+        "reflect_facts_per_100_turns": 100 * facts / turns,
+        "reflect_model": use_model,
+        "memory_tokens_mean": statistics.mean(x.memory_tokens for x in plain),
+        "memory_text_tokens_mean": statistics.mean(x.content_tokens for x in plain),
+        "evidence_recall_plain": _rate(plain, "evidence"),
+    }
+    if remote:
+        out |= run_remote(store, engine, config, workload, prepare, max_tokens)
+    if compress:
+        out |= run_compressed(store, engine, config, workload, prepare, max_tokens, rate, plain)
+    return out
 
+
+def run_remote(store, engine, config, workload, prepare, max_tokens: int) -> dict:
+    """Reflection with the configured model (reflect/remote.py) on the remote engine's server,
+    then the questions on the same engine: the facts it wrote, its calls and tokens per 100
+    turns (messages of history), and the accuracy beside the embedded reflection's."""
+    from ..reflect.remote import RemoteExtractor
+
+    prepare(store, engine, config, workload, "bench-reflect-remote")
+    turns = sum(len(m) for h in workload for m in h.sessions)
+    extractor = RemoteExtractor(engine)
+    t0 = time.perf_counter()
+    facts = superseded = 0
+    for h in workload:
+        r = reflect(store, None, "bench-reflect-remote", h.user, use_model=False, extractor=extractor)
+        facts += len(r.facts_added)
+        superseded += len(r.superseded)
+        print(f"  reflect-remote {h.user}: {r.messages_read} messages, {len(r.facts_added)} facts, "
+              f"{len(r.superseded)} superseded, {r.seconds:.1f}s, {extractor.stats}", file=sys.stderr)
+    spent = time.perf_counter() - t0
+    asked = ask_all(store, engine, config, workload, "bench-reflect-remote", max_tokens, "reflect-remote")
+    st = extractor.stats
+    tokens = st["prompt_tokens"] + st["completion_tokens"]
+    return {
+        "accuracy_reflect_remote": _rate(asked, "correct"),
+        "accuracy_reflect_remote_changed": _rate(asked, "correct", True),
+        "evidence_recall_reflect_remote": _rate(asked, "evidence"),
+        "reflect_remote_facts": facts,
+        "reflect_remote_superseded": superseded,
+        "reflect_remote_facts_per_100_turns": 100 * facts / turns,
+        "reflect_remote_calls_per_100_turns": 100 * st["llm_calls"] / turns,
+        "reflect_remote_tokens_per_100_turns": 100 * tokens / turns,
+        "reflect_remote_prompt_tokens_per_100_turns": 100 * st["prompt_tokens"] / turns,
+        "reflect_remote_completion_tokens_per_100_turns": 100 * st["completion_tokens"] / turns,
+        "reflect_remote_s_per_100_turns": 100 * spent / turns,
+        "reflect_remote_stats": dict(st),
+        "reflect_remote_batch": extractor.batch,
+        "reflect_turns": turns,
+    }
+
+
+def run_compressed(store, engine, config, workload, prepare, max_tokens: int, rate: float | None,
+                   plain: list[Asked]) -> dict:
+    """The compression condition, against the plain one's prompts."""
     prepare(store, engine, config, workload, "bench-compressed")
     rate = rate if rate is not None else BudgetPolicy().rate_for("recall")
     policy = BudgetPolicy(rates={"recall": rate})
@@ -119,24 +190,14 @@ def run(store, engine, config, workload, prepare, max_tokens: int, use_model: bo
     text_plain = statistics.mean(x.content_tokens for x in plain)
     text_comp = statistics.mean(x.content_tokens for x in compressed)
     ev_plain, ev_comp = _rate(plain, "evidence"), _rate(compressed, "evidence")
+    turns = sum(len(m) for h in workload for m in h.sessions)
     return {
-        "accuracy_no_reflect": _rate(plain, "correct"),
-        "accuracy_reflect": _rate(reflected, "correct"),
-        "accuracy_no_reflect_changed": _rate(plain, "correct", True),
-        "accuracy_reflect_changed": _rate(reflected, "correct", True),
-        "evidence_recall_reflect": _rate(reflected, "evidence"),
-        "reflect_s_per_100_turns": 100 * reflect_s / turns,
-        "reflect_facts": facts,
-        "reflect_model": use_model,
         "compression_rate_setting": rate,
         "compression_ratio": _ratio(text_plain, text_comp),
         "compression_ratio_prompt_lines": _ratio(mem_plain, mem_comp),
-        "memory_tokens_mean": mem_plain,
         "memory_tokens_compressed_mean": mem_comp,
-        "memory_text_tokens_mean": text_plain,
         "memory_text_tokens_compressed_mean": text_comp,
         "accuracy_compressed": _rate(compressed, "correct"),
-        "evidence_recall_plain": ev_plain,
         "evidence_recall_at_10_compressed": ev_comp,
         "evidence_kept_compressed": _ratio(ev_comp, ev_plain) if ev_plain else None,
         "compress_s_per_100_turns": 100 * compress_s / turns,

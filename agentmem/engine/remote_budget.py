@@ -8,7 +8,8 @@ the count times a factor, calibrated per server from the `usage.prompt_tokens` i
 (the largest ratio of the last CALIBRATION_KEEP turns), plus a margin. Before the server
 has reported anything the factor is a prior: 1.0 for the model's own files, PRIOR_FACTOR
 for the default model's stand-in (byte-level BPEs of 32k-256k vocabularies count English
-within about a fifth of each other; bench memory's `--estimator` measures it).
+within about a fifth of each other). bench/estimator.py measures the estimator's error on
+the bench conversations (`bench memory --engine-api chat`: the `estimator_*` keys).
 
 The assembly fits prompts to `context_budget` in counted tokens; the engine reports its
 context window in the same units (the server's window divided by the factor's bound), so
