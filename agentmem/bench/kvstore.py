@@ -11,7 +11,10 @@ sessions an hour apart); TTFT is measured: the real model's prefill with whateve
 holds (RAM, then a disk tier, then Redis on its own `redis-server`), and the first token.
 
 Both configurations replay the same trace on empty tiers of equal budgets, turn by turn in
-alternating order (a change in the machine's load hits both alike). The codec's quality is
+alternating order (a change in the machine's load hits both alike). The codec is the disk's
+and Redis's; the policy's RAM holds its blobs too only with `--ram-codec on` (default: the
+config's `kv_ram_codec`, off). TTFT includes storing the turn's new chunks (an encode where
+a tier holds blobs). The codec's quality is
 measured apart on `bench blend`'s prompts: the blend's KL against full prefill with KV
 through the codec over its KL with raw KV, and top-1 agreement with full prefill.
 The last line printed is one JSON object.
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -155,7 +159,7 @@ class Replay:
     """One configuration's run of the trace on empty tiers: per-turn TTFT and the counters."""
 
     def __init__(self, engine: Engine, cfg: Config, policy_name: str, codec: str, budgets: dict, tmp: Path,
-                 redis_url: str | None, prefix: str):
+                 redis_url: str | None, prefix: str, ram_codec: bool = False):
         self.engine, self.cfg, self.name = engine, cfg, f"{policy_name}+{codec}"
         self.clock = _TraceClock()
         rates = Rates(recompute_share=cfg.blend_ratio)
@@ -169,7 +173,7 @@ class Replay:
             self.shared = SharedTier(RedisLink(redis_url, timeout_s=2.0, prefix=prefix), budgets["redis"])
         # the baseline is the store as it was: LRU, raw KV, every tier's copy loaded
         self.store = ChunkStore([("cpu", budgets["ram"])], tmp / f"disk-{prefix.strip(':')}", budgets["disk"],
-                                shared=self.shared, policy=policy, codec=codec, ram_codec=codec != "raw",
+                                shared=self.shared, policy=policy, codec=codec, ram_codec=ram_codec,
                                 choose_loads=policy_name != "lru")
         self.reuse = ChunkReuse(engine, cfg, store=self.store)
         self.pin = policy_name == "value"
@@ -221,8 +225,9 @@ def codec_quality(engine: Engine, cfg: Config, codec: str, prompts: int, chunk_t
     raw.precompute(memory)
     coded = ChunkStore([("cpu", 4 << 30)], codec=codec, ram_codec=True)
     raw_bytes = coded_bytes = tokens = 0
-    enc_s = dec_s = 0.0
-    entropy_ratio = []
+    enc_s = dec_s = inflate_s = 0.0
+    plain_payload = zlib_payload = 0
+    layout: dict[str, int] = {}
     for key, held in raw.store.tiers[0].entries.items():
         t0 = time.perf_counter()
         blob = kvcodec.encode(key, held.namespace, held.kv, codec, entropy=False)
@@ -230,9 +235,17 @@ def codec_quality(engine: Engine, cfg: Config, codec: str, prompts: int, chunk_t
         t0 = time.perf_counter()
         _, back = kvcodec.decode(blob, key)
         dec_s += time.perf_counter() - t0
-        import zlib
-
-        entropy_ratio.append(len(zlib.compress(blob, 1)) / len(blob))
+        where = kvcodec.layout(blob)
+        for part, n in where.items():
+            layout[part] = layout.get(part, 0) + n
+        # the optional entropy coding, measured on the payload: what it saves, what inflating costs
+        payload = blob[where["header"]:]
+        packed = zlib.compress(payload, 1)
+        t0 = time.perf_counter()
+        zlib.decompress(packed)
+        inflate_s += time.perf_counter() - t0
+        plain_payload += len(payload)
+        zlib_payload += len(packed)
         raw_bytes += held.kv.nbytes
         coded_bytes += len(blob)
         tokens += held.kv.tokens
@@ -257,7 +270,9 @@ def codec_quality(engine: Engine, cfg: Config, codec: str, prompts: int, chunk_t
             "raw_top1": statistics.fmean(top_raw), "raw_kl": statistics.fmean(kls_raw),
             "codec_kl": statistics.fmean(kls_codec), "codec_bytes_per_token": coded_bytes / tokens,
             "raw_bytes_per_token": raw_bytes / tokens, "codec_encode_s_per_token": enc_s / tokens,
-            "codec_decode_s_per_token": dec_s / tokens, "entropy_zlib_ratio": statistics.fmean(entropy_ratio)}
+            "codec_decode_s_per_token": dec_s / tokens, "entropy_zlib_ratio": zlib_payload / plain_payload,
+            "entropy_inflate_s_per_token": inflate_s / tokens,
+            "codec_bytes_breakdown": {part: n / raw_bytes for part, n in layout.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-mb", type=float, default=16)
     ap.add_argument("--redis-mb", type=float, default=16)
     ap.add_argument("--codec", choices=kvcodec.CODECS, default=None, help="default: config kv_codec")
+    ap.add_argument("--ram-codec", choices=("on", "off"), default=None,
+                    help="the policy's RAM tier holds the codec's blobs too (default: config kv_ram_codec)")
     ap.add_argument("--quality-prompts", type=int, default=8)
     ap.add_argument("--quality-chunk-tokens", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
@@ -293,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_s)
         cfg = Config(dtype=args.dtype, kv_mode="full", kv_disk_dir=tmp / "unused")
         codec = args.codec or cfg.kv_codec
+        ram_codec = cfg.kv_ram_codec if args.ram_codec is None else args.ram_codec == "on"
         engine = Engine.load(cfg)
         cfg = cfg.model_copy(update={"kv_mode": "blend"})
         events = build_trace(engine, args.users, args.sessions, args.turns, args.pool, args.recalled, args.tool_rate,
@@ -307,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             ChunkReuse(engine, cfg, store=ChunkStore([("cpu", 1 << 30)])).plan(
                 engine.tokenize_prompt(events[0]["segments"]), store=False)
             runs = [Replay(engine, cfg, "lru", "raw", budgets, tmp, url, "lru:"),
-                    Replay(engine, cfg, "value", codec, budgets, tmp, url, "policy:")]
+                    Replay(engine, cfg, "value", codec, budgets, tmp, url, "policy:", ram_codec)]
             replay(runs, events, log)
             lru, pol = (r.result() for r in runs)
         finally:
@@ -319,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "turns": len(events),
         "users": args.users,
         "codec": codec,
+        "ram_codec": ram_codec,
         "lru_hit_rate": lru["hit_rate"],
         "policy_hit_rate": pol["hit_rate"],
         "hit_rate_ratio": pol["hit_rate"] / max(lru["hit_rate"], 1e-9),
