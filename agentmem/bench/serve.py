@@ -14,6 +14,15 @@ same server at its limits: `--flood-clients` concurrent clients each streaming c
 and posting messages of the longest allowed size (a 429 makes a client wait its
 Retry-After). `neighbour_search_p95_s` and `neighbour_ttft_p95_s` beside
 `alone_search_p95_s` and `alone_ttft_p95_s` show what the flood costs the quiet tenant.
+
+The fair-share run (`--fair`, on the batched server, last) measures the engine's share
+between tenants: one tenant's short requests (stateless, `--fair-short-tokens` tokens, one
+at a time) alone, then while another tenant keeps `--fair-streams` long streamed replies
+(`--fair-long-tokens` tokens each, restarted as each ends) running on the same engine.
+`fair_short_alone_p95_s` and `fair_short_with_long_p95_s` are the short tenant's p95
+latency in the two phases, `fair_ratio` the second over the first, `fair_meets_target`
+whether it is within FAIR_TARGET (2x). An unmeasured warm-up of both tenants comes first:
+the decode step's buckets for the wider batch are compiled then, not during a measured phase.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from pathlib import Path
 import httpx
 
 from ..api.local import free_port
+
+FAIR_TARGET = 2.0  # the short tenant's p95 beside the long streams, at most this times its p95 alone
 
 QUESTIONS = (
     "I just adopted a dog called Pepper. Any tips for the first week?",
@@ -59,6 +70,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbour-probes", type=int, default=12, help="quiet tenant's searches and chats per phase")
     p.add_argument("--flood-clients", type=int, default=16, help="the noisy tenant's concurrent clients")
     p.add_argument("--flood-chars", type=int, default=30_000, help="characters of each message the flood posts")
+    p.add_argument("--fair", choices=("on", "off", "only"), default="on",
+                   help="the fair-share run after the others (only: skip the levels, the serial peer and the "
+                        "noisy-neighbour run)")
+    p.add_argument("--fair-streams", type=int, default=8, help="the long tenant's concurrent streams")
+    p.add_argument("--fair-long-tokens", type=int, default=128, help="tokens of each long stream")
+    p.add_argument("--fair-short-tokens", type=int, default=4, help="tokens of each short request")
+    p.add_argument("--fair-probes", type=int, default=8, help="the short tenant's requests per phase")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: N replicas on one PostgreSQL (--db-url) against one replica (bench/serve_replicas.py)")
     p.add_argument("--db-url", help="with --replicas: the PostgreSQL the replicas share (a schema of its own is used)")
@@ -218,6 +236,103 @@ def neighbour(url: str, quiet_key: str, noisy_key: str, args) -> dict:
             "ttft_ratio": round(flooded["ttft_p95_s"] / alone["ttft_p95_s"], 3) if alone["ttft_p95_s"] else 0}
 
 
+def _short_requests(url: str, key: str, n: int, max_tokens: int, timeout: float) -> list[float]:
+    """`n` stateless chat requests of `max_tokens` tokens, one at a time: each one's seconds."""
+    out = []
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout) as c:
+        for i in range(n):
+            body = {"model": "agentmem", "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
+            t = time.perf_counter()
+            c.post("/v1/chat/completions", json=body).raise_for_status()
+            out.append(time.perf_counter() - t)
+    return out
+
+
+class LongStreams:
+    """`streams` threads of one tenant, each streaming chat replies of up to `max_tokens` tokens
+    (asking for a long story, sampled, so a reply rarely ends early) back to back until
+    stopped; counts the replies and events received."""
+
+    def __init__(self, url: str, key: str, streams: int, max_tokens: int, timeout: float):
+        self.url, self.key, self.max_tokens, self.timeout = url, key, max_tokens, timeout
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.replies = self.events = self.errors = 0
+        self.refusal: str | None = None
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
+
+    def _run(self, i: int) -> None:
+        body = {"model": "agentmem", "max_tokens": self.max_tokens, "stream": True, "temperature": 1.0,
+                "messages": [{"role": "user", "content": f"Write a long story about a dog called Pepper, part {i}."}]}
+        with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"},
+                          timeout=self.timeout) as c:
+            while not self.stop.is_set():
+                try:
+                    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        r.raise_for_status()
+                        for line in r.iter_lines():
+                            if line.startswith("data:"):
+                                with self.lock:
+                                    self.events += 1
+                            if self.stop.is_set():
+                                break
+                    with self.lock:
+                        self.replies += 1
+                except httpx.HTTPStatusError as exc:  # refused (a limit): no point asking again
+                    with self.lock:
+                        self.errors += 1
+                        self.refusal = f"HTTP {exc.response.status_code}"
+                    return
+                except httpx.HTTPError:
+                    with self.lock:
+                        self.errors += 1
+                    self.stop.wait(1.0)
+
+    def __enter__(self) -> LongStreams:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def wait_events(self, n: int, timeout: float) -> None:
+        """Until the streams have sent `n` events in all (they are all decoding then)."""
+        deadline = time.monotonic() + timeout
+        while self.events < n and time.monotonic() < deadline and not self.stop.is_set():
+            if self.refusal is not None:
+                raise RuntimeError(f"a long stream was refused: {self.refusal}")
+            time.sleep(0.1)
+
+
+def fair(url: str, short_key: str, long_key: str, args) -> dict:
+    """The short tenant's p95 latency alone, then beside the long tenant's streams."""
+    short = lambda n: _short_requests(url, short_key, n, args.fair_short_tokens, args.timeout)  # noqa: E731
+    t0 = time.perf_counter()
+    with LongStreams(url, long_key, args.fair_streams, args.fair_long_tokens, args.timeout) as warm:
+        # warm-up, unmeasured: every stream decoding and the short tenant's request beside them
+        warm.wait_events(2 * args.fair_streams, args.timeout)
+        short(2)
+    warm_s = time.perf_counter() - t0
+    short(1)
+    alone = sorted(short(args.fair_probes))
+    with LongStreams(url, long_key, args.fair_streams, args.fair_long_tokens, args.timeout) as streams:
+        streams.wait_events(2 * args.fair_streams, args.timeout)
+        beside = sorted(short(args.fair_probes))
+        replies, events, errors = streams.replies, streams.events, streams.errors
+    a, b = percentile(alone, 0.95), percentile(beside, 0.95)
+    ratio = b / a if a else 0.0
+    return {"fair_short_alone_p95_s": round(a, 4), "fair_short_with_long_p95_s": round(b, 4),
+            "fair_ratio": round(ratio, 3), "fair_meets_target": bool(a) and ratio <= FAIR_TARGET,
+            "fair": {"target_ratio": FAIR_TARGET, "streams": args.fair_streams, "long_tokens": args.fair_long_tokens,
+                     "short_tokens": args.fair_short_tokens, "probes": args.fair_probes,
+                     "short_alone_s": [round(x, 3) for x in alone], "short_with_long_s": [round(x, 3) for x in beside],
+                     "long_replies": replies, "long_events": events, "errors": errors, "warm_up_s": round(warm_s, 1)}}
+
+
 @contextmanager
 def serve_process(cmd: list[str], env: dict[str, str], port: int, procs: list | None = None):
     """Run an `agentmem serve` command line, wait for its /healthz, yield its URL, stop it after
@@ -269,8 +384,9 @@ def server(data_dir: Path, serial: bool, max_tokens: int, dtype: str | None):
 
 def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str, dict[str, str]]:
     """A fresh server for `mode` (its own data dir and tenant, plus the quiet and noisy
-    tenants of the neighbour run), warmed by one unmeasured turn (it loads the embedder and
-    starts the engine loop); returns (url, key, {"quiet": key, "noisy": key})."""
+    tenants of the neighbour run and the short and long ones of the fair-share run), warmed
+    by one unmeasured turn (it loads the embedder and starts the engine loop); returns
+    (url, key, {tenant name: key})."""
     from ..api.auth import create_tenant_with_key
     from ..config import Config
     from ..tiers.store import MemoryStore
@@ -278,9 +394,11 @@ def start(stack: ExitStack, root: Path, mode: str, args) -> tuple[str, str, dict
     data = root / mode
     store = MemoryStore(Config(data_dir=data))
     _, key = create_tenant_with_key(store, f"bench-{mode}")
-    others = {name: create_tenant_with_key(store, name)[1] for name in ("quiet", "noisy")}
+    others = {name: create_tenant_with_key(store, name)[1] for name in ("quiet", "noisy", "short", "long")}
     store.close()
-    url = stack.enter_context(server(data, mode == "serial", args.max_tokens, args.dtype))
+    # the server's largest max_tokens: the fair-share run's long streams ask for more than a turn
+    largest = max(args.max_tokens, getattr(args, "fair_long_tokens", 0))
+    url = stack.enter_context(server(data, mode == "serial", largest, args.dtype))
     warm = measure(url, key, 1, 1, args.max_tokens, f"{mode}-warm", args.stateless, args.timeout)
     if warm["errors"]:
         raise RuntimeError(f"warm-up request failed: {warm['error_samples']}")
@@ -292,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.levels, args.requests, args.max_tokens = "1,4", 1, 4
         args.neighbour_probes, args.flood_clients, args.flood_chars = 3, 4, 2000
+        args.fair_streams, args.fair_long_tokens, args.fair_probes = 4, 32, 3
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         print("agentmem bench serve: levels, --requests and --max-tokens must be positive", file=sys.stderr)
@@ -303,9 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     # both servers stay up and each level runs on one right after the other, so a change in
     # the machine's other load hits both sides of a comparison alike
     results: dict[str, list[dict]] = {"batched": [], "serial": []}
-    if args.neighbour == "only":
+    if args.neighbour == "only" or args.fair == "only":
         levels, results = [], {"batched": []}
-    nb = None
+    run_neighbour = args.neighbour != "off" and args.fair != "only"
+    nb = fs = None
     with tempfile.TemporaryDirectory(prefix="agentmem-bench-serve-") as tmp, ExitStack() as stack:
         started = {mode: start(stack, Path(tmp), mode, args) for mode in results}
         servers = {mode: (url, key) for mode, (url, key, _) in started.items()}
@@ -318,9 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     print(f"  {mode:<8} {n:>3} clients: {r['throughput_req_s']:.3f} req/s, p50 {r['p50_s']:.2f} s, "
                           f"p99 {r['p99_s']:.2f} s, {r['errors']} errors", file=sys.stderr, flush=True)
-        if args.neighbour != "off":
-            url, _, tenants = started["batched"]
+        url, _, tenants = started["batched"]
+        if run_neighbour:
             nb = neighbour(url, tenants["quiet"], tenants["noisy"], args)
+        if args.fair != "off":
+            fs = fair(url, tenants["short"], tenants["long"], args)
     batched, serial = results["batched"], results.get("serial", [])
     rows = []
     for b, s in zip(batched, serial, strict=True):
@@ -342,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                       neighbour_ttft_p95_s=nb["flooded"]["ttft_p95_s"], alone_search_p95_s=nb["alone"]["search_p95_s"],
                       alone_ttft_p95_s=nb["alone"]["ttft_p95_s"])
         result["errors"] += nb["flood_requests"]["errors"]
+    if fs is not None:
+        result.update(fs)
+        result["errors"] += fs["fair"]["errors"]
+        if not args.json:
+            print(f"fair share: short requests p95 {fs['fair_short_alone_p95_s']:.2f} s alone, "
+                  f"{fs['fair_short_with_long_p95_s']:.2f} s beside {args.fair_streams} long streams "
+                  f"-> {fs['fair_ratio']:.2f}x", file=sys.stderr)
     if not args.json:
         for r in rows:
             print(f"{r['clients']:>3} clients: batched {r['throughput_req_s']:.3f} req/s vs serial "

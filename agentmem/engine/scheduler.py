@@ -141,7 +141,8 @@ class Scheduler:
         self._preempted: set[int] = set()  # ids of the sequences preempted this step
         batch += self._prefill(full)
         # a sequence preempted for a tenant under its share leaves this step's decodes too
-        return [sc for sc in batch if sc.seq in self.running]
+        running = {s.id for s in self.running}
+        return [sc for sc in batch if sc.seq.id in running]
 
     def _level(self, tenants: set[str]) -> None:
         """A tenant that had no work starts level with the least served of those that had:
@@ -163,8 +164,10 @@ class Scheduler:
         for seq in self.running:
             if seq.num_pending > 1:
                 queues.setdefault(seq.salt, []).append(seq)
+        waiting = set()
         for seq in self.waiting:
             queues.setdefault(seq.salt, []).append(seq)
+            waiting.add(seq.id)
         stuck: set[str] = set()  # tenants whose next request cannot be admitted this step
         for second in (False, True):  # first each tenant's quota, then what is left, in the same order
             order = [t for t in sorted(queues, key=lambda t: self.served[t]) if t not in stuck]
@@ -174,7 +177,7 @@ class Scheduler:
                 while queues[t] and quota > 0 and budget > 0:
                     seq = queues[t][0]
                     sc = given.get(seq.id)
-                    if sc is None and seq in self.waiting:
+                    if sc is None and seq.id in waiting:
                         sc = self._admit(seq, counts, shares, min(quota, budget), budget == full)
                         if sc is None:
                             stuck.add(t)
@@ -194,7 +197,8 @@ class Scheduler:
                     budget -= n
                     quota -= n
                     self.served[t] += n / self.weight(t)
-        return [sc for sc in given.values() if sc.seq in self.running]
+        running = {s.id for s in self.running}
+        return [sc for sc in given.values() if sc.seq.id in running]
 
     def _admit(self, seq: Sequence, counts: Counter, shares: dict[str, float], budget: int,
                whole: bool) -> Scheduled | None:
