@@ -24,9 +24,15 @@ def services(request: Request):
 
 
 def caller(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
+    """The calling tenant of a REST request: a write looks its key up in the database, so a
+    key deleted by any process stops writing at once; a read may use the key cache."""
+    return authenticate(request, creds.credentials if creds else None, fresh=request.method not in SAFE_METHODS)
+
+
+def authenticate(request: Request, key: str | None, fresh: bool) -> Caller:
     """Resolve the key to its tenant, then spend one token of that tenant's rate limit.
-    Failed authentications are limited per client address; a write looks its key up in the
-    database, so a key deleted by any process stops writing at once."""
+    Failed authentications are limited per client address. `fresh` reads the key from the
+    database instead of the key cache (KEY_CACHE_SECONDS)."""
     svc = request.app.state.services
     if "api_key" in request.query_params:
         raise ApiError(400, "send the API key as `Authorization: Bearer <key>`, never in the URL",
@@ -37,11 +43,11 @@ def caller(request: Request, creds: HTTPAuthorizationCredentials | None = Depend
         svc.metrics.rate_limited.inc()
         raise ApiError(429, f"too many failed authentications; retry in {wait:.1f} s", "rate_limit_error",
                        "auth_rate_limited", headers={"Retry-After": str(max(1, round(wait)))})
-    if creds is None or not creds.credentials:
+    if not key:
         svc.failed_auth.take(address)
         raise ApiError(401, "missing API key: send `Authorization: Bearer <key>`", "authentication_error",
                        "missing_api_key", headers={"WWW-Authenticate": "Bearer"})
-    tenant_id = svc.tenant_for_key(hash_key(creds.credentials), fresh=request.method not in SAFE_METHODS)
+    tenant_id = svc.tenant_for_key(hash_key(key), fresh=fresh)
     if tenant_id is None:
         svc.failed_auth.take(address)
         raise ApiError(401, "invalid API key", "authentication_error", "invalid_api_key",

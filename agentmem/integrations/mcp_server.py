@@ -188,23 +188,25 @@ class StdioCaller:
     def __init__(self, tenant_id: str, user_id: str):
         self.tenant_id, self.user_id = tenant_id, user_id
 
-    def __call__(self, ctx: Context, user_id: str | None) -> tuple[str, str]:
+    def __call__(self, ctx: Context, user_id: str | None, write: bool = False) -> tuple[str, str]:
         return self.tenant_id, user_id or self.user_id
 
 
 class HttpCaller:
-    """Over HTTP the key names the tenant (checked again here: the endpoint already refused
-    a bad one with a 401) and the user is the argument or the X-Agentmem-User header."""
+    """Over HTTP the key names the tenant and the user is the argument or the X-Agentmem-User
+    header. The endpoint already refused a bad key with a 401 from the key cache, as a REST
+    read does; a tool that writes looks the key up in the database again, as a REST write
+    does, so a key deleted by any process stops writing at once."""
 
     def __init__(self, tenant_for_key: Callable[[str], str | None]):
         self.tenant_for_key = tenant_for_key
 
-    def __call__(self, ctx: Context, user_id: str | None) -> tuple[str, str]:
+    def __call__(self, ctx: Context, user_id: str | None, write: bool = False) -> tuple[str, str]:
         from ..api.auth import bearer_token, hash_key
 
         headers = {k.lower(): v for k, v in (ctx.headers or {}).items()}
         key = bearer_token(headers.get("authorization"))
-        tenant = self.tenant_for_key(hash_key(key)) if key else None
+        tenant = self.tenant_for_key(hash_key(key), write) if key else None
         if tenant is None:
             raise ToolError("invalid API key")
         user = user_id or headers.get(USER_HEADER)
@@ -213,15 +215,20 @@ class HttpCaller:
         return tenant, user
 
 
-def build_server(tools: MemoryTools, caller: Callable[[Context, str | None], tuple[str, str]]) -> MCPServer:
+def build_server(tools: MemoryTools, caller: Callable[..., tuple[str, str]]) -> MCPServer:
     """The MCP server: the tools, their descriptions, and the core blocks as resources."""
     server = MCPServer("agentmem", instructions=INSTRUCTIONS, version="0.1.0")
+    writers = {tools.add_memory, tools.add_messages, tools.update_memory, tools.delete_memory,
+               tools.set_core_block}
+
+    def act(ctx: Context, user_id: str | None, work: Callable[..., tuple[dict, str]], *args) -> tuple[dict, str]:
+        tenant, user = caller(ctx, user_id, work in writers)  # a write's key lookup may read the database
+        check_id(user, "user_id")  # the REST service's id alphabet: what MCP stores, REST can delete
+        return work(tenant, user, *args)
 
     async def call(ctx: Context, user_id: str | None, work: Callable[..., tuple[dict, str]], *args) -> CallToolResult:
-        tenant, user = caller(ctx, user_id)
-        try:
-            check_id(user, "user_id")  # the REST service's id alphabet: what MCP stores, REST can delete
-            data, text = await asyncio.to_thread(work, tenant, user, *args)
+        try:  # all of it in a worker thread, off the event loop
+            data, text = await asyncio.to_thread(act, ctx, user_id, work, *args)
         except (InvalidInput, NotFound, Conflict) as exc:
             raise ToolError(str(exc)) from None
         return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=data)
@@ -327,7 +334,8 @@ def build_server(tools: MemoryTools, caller: Callable[[Context, str | None], tup
 # --- streamable HTTP inside `agentmem serve` ------------------------------------------------------
 class McpEndpoint:
     """ASGI endpoint of `/mcp`: the caller's key is checked as every REST route checks it
-    (401, failed-auth and tenant rate limits), then the request goes to the MCP SDK's
+    (401, failed-auth and tenant rate limits; from the key cache, as a REST read: a miss
+    reads the database on the loop, once per key and KEY_CACHE_SECONDS), then the request goes to the MCP SDK's
     stateless streamable-HTTP app. The SDK's session manager runs on the serving event
     loop, started by the first request."""
 
@@ -340,16 +348,14 @@ class McpEndpoint:
         self._tasks: list[asyncio.Task] = []
 
     async def __call__(self, scope, receive, send) -> None:
-        from fastapi.security import HTTPAuthorizationCredentials
         from starlette.requests import Request
 
         from ..api.auth import bearer_token
-        from ..api.deps import caller
+        from ..api.deps import authenticate
 
-        if scope["type"] == "http":
+        if scope["type"] == "http":  # every MCP request is a POST: the tools say which ones write
             request = Request(scope)
-            key = bearer_token(request.headers.get("authorization"))
-            caller(request, HTTPAuthorizationCredentials(scheme="Bearer", credentials=key) if key else None)
+            authenticate(request, bearer_token(request.headers.get("authorization")), fresh=False)
         app = await self._app()
         await app(scope, receive, send)
 

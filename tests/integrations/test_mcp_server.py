@@ -173,6 +173,41 @@ def test_http_endpoint_needs_a_key_and_keeps_tenants_apart(served):
     assert served.client("globex").get("/v1/users/alice/memories").status_code == 404
 
 
+def test_a_deleted_key_stops_writing_at_once_and_reads_follow_the_key_cache(served):
+    """Every MCP request is a POST, so the endpoint checks the key from the cache, as a REST read
+    does; the tools that write look it up again in the database, as a REST write does."""
+    from sqlalchemy import delete
+
+    from agentmem.api import create_tenant_with_key
+    from agentmem.tiers.schema import ApiKeyRow
+
+    url = served.url + "/mcp"
+    writes = {"add_memory": {"text": "Alice's locker code is now 9876."},
+              "add_messages": {"messages": [{"role": "user", "content": "hi"}]},
+              "update_memory": {"memory_id": 1, "text": "x"}, "delete_memory": {"memory_id": 1},
+              "set_core_block": {"label": "human", "value": "x"}}
+
+    async def main(write: str, tenant: str, key: str):
+        async with http_client(url, key, user="alice") as client:
+            r = await client.call_tool("add_memory", {"text": "Alice's locker code is 1234."})
+            assert not r.is_error
+            with served.store.archive.tx() as s:  # another process deletes the key
+                s.execute(delete(ApiKeyRow).where(ApiKeyRow.tenant_id == tenant))
+            r = await client.call_tool("list_memories", {})  # a read within the cache's lifetime answers
+            assert "Alice's locker code is 1234." in [m["text"] for m in r.structured_content["memories"]]
+            r = await client.call_tool(write, writes[write])
+            assert r.is_error and "invalid API key" in r.content[0].text, write
+        # the write taught the cache: from now on every request is a 401, reads too
+        r = httpx.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                       headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 401, r.text
+        texts = [m.text for m in served.store.list_memories(tenant, "alice")]
+        assert texts == ["Alice's locker code is 1234."]  # nothing was written
+
+    for write in writes:  # each write tool on a tenant of its own
+        asyncio.run(main(write, *create_tenant_with_key(served.store, f"t-{write}")))
+
+
 def test_without_the_extra_the_import_and_the_endpoint_name_it(monkeypatch, tmp_path):
     from fastapi.testclient import TestClient
 
