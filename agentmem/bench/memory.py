@@ -439,6 +439,12 @@ def main(argv: list[str]) -> int:
         result, outcomes = run_engine(config, args, with_conditions=True)
         if config.engine_url and args.llama_server:
             result |= server_log_share(server.log_text(), result["server_prompt_tokens"])
+            if not args.no_reflect or result.get("engine_api") == "chat":
+                # the log also holds the other conditions' completions, reflection's calls and
+                # the budget's probes: its hits are not the memory turns' share
+                result |= {"server_log_cached_token_share": None,
+                           "server_log_cached_token_share_reason": "the server's log holds more completions than "
+                           "the memory turns (other conditions, reflection, chat mode's probes)"}
         if config.engine_url and args.embedded_peer:
             peer_config = Config(data_dir=tempfile.mkdtemp(prefix="agentmem-bench-"), dtype=args.dtype,
                                  engine_url=None)
