@@ -84,6 +84,24 @@ def _replicas(r: dict) -> str:
     return f"{r['replicas_speedup']:.2f}x one replica's throughput, {r['replicas']} replicas on PostgreSQL"
 
 
+def _fair(r: dict) -> str:
+    return (f"a tenant's short requests p95 {r['fair_short_with_long_p95_s']:.1f} s beside another's 8 long streams, "
+            f"{r['fair_short_alone_p95_s']:.1f} s alone ({r['fair_ratio']:.2f}x; target <= 2x)")
+
+
+def _kvstore(r: dict) -> str:
+    return (f"token hit rate {r['policy_hit_rate']:.2f} against LRU's {r['lru_hit_rate']:.2f} at equal memory; "
+            f"TTFT p95 {r['policy_ttft_p95_s']:.2f} s against {r['lru_ttft_p95_s']:.2f} s; {r['codec']} KV "
+            f"{r['codec_bytes_ratio']:.3f}x raw bytes, blend KL {r['codec_kl_ratio']:.2f}x raw's, top-1 "
+            f"{r['codec_top1']:.2f} ({r['users']} users, {r['turns']} turns)")
+
+
+def _listing(r: dict) -> str:
+    pages = r["listings"]
+    return ("a page of 100 in " + ", ".join(f"{pages[k]['page_default']['p50_ms']:.0f} ms ({k})" for k in pages)
+            + f"; {r['users']:,} users x {r['sessions_per_user']:,} sessions, {r['db']}")
+
+
 @dataclass(frozen=True)
 class Row:
     bench: str
@@ -100,7 +118,10 @@ ROWS = (
     Row("memory", None, "`bench memory`: multi-session QA", _memory),
     Row("serve", None, "`bench serve`: batched against serial", _serve),
     Row("serve", "replicas", "`bench serve --replicas 2`", _replicas),
+    Row("serve", "fair", "`bench serve --fair only`: fair share between tenants", _fair),
     Row("mcp", None, "`bench mcp`: the MCP server's overhead", _mcp),
+    Row("kvstore", None, "`bench kvstore`: value-per-byte policy and int4 KV against LRU and raw KV", _kvstore),
+    Row("listing", None, "`bench listing`: REST pages at scale", _listing),
 )
 
 
