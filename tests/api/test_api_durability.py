@@ -46,6 +46,17 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None
     raise AssertionError("server did not come up")
 
 
+def _all(c: httpx.Client, path: str) -> list[dict]:
+    """Every row of a listing, page by page."""
+    rows, params = [], {"limit": 1000}
+    while True:
+        body = c.get(path, params=params).json()
+        rows += body["data"]
+        if not body.get("next_cursor"):
+            return rows
+        params["cursor"] = body["next_cursor"]
+
+
 def test_sigkill_during_writes_loses_no_acknowledged_message(tmp_path, embedder):
     out = subprocess.run([sys.executable, "-m", "agentmem.cli", "tenant", "--data-dir", str(tmp_path), "--json",
                           "create", "durable"], capture_output=True, text=True, check=True)
@@ -99,8 +110,8 @@ def test_sigkill_during_writes_loses_no_acknowledged_message(tmp_path, embedder)
         c = httpx.Client(base_url=url, headers=headers, timeout=60)
         for user, writes in acked.items():
             stored = {}
-            for s in c.get(f"/v1/users/{user}/sessions").json()["data"]:
-                for m in c.get(f"/v1/users/{user}/sessions/{s['id']}/messages", params={"limit": 10_000}).json()["data"]:
+            for s in _all(c, f"/v1/users/{user}/sessions"):
+                for m in _all(c, f"/v1/users/{user}/sessions/{s['id']}/messages"):
                     stored[m["id"]] = m["text"]
             for mid, text in writes:
                 assert text in stored.values() and (mid == -1 or stored[mid] == text)
