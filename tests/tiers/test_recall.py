@@ -1125,3 +1125,31 @@ def test_the_models_own_words_are_no_context_and_a_bare_question_is_no_note(stor
     assert blue.context == 'in reply to: "Noted. Which colour would you like for the scarf?"'
     notes = [h.text for h in note_hits([asked, allergy, blue])]
     assert notes == ["I am allergic to peanuts.", "Blue, the dark one."]
+
+
+def test_an_index_touched_after_its_tenant_is_deleted_is_never_written_back(tmp_path, embedder):
+    """A request still under way when its tenant is deleted may load the user's index again
+    (empty now) or hold a changed one; neither may reach the disk, at a flush or at close."""
+    store = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    tid = store.create_tenant("doomed")
+    sid = store.open_session(tid, "ann").id
+    store.add_messages(tid, "ann", sid, [{"role": "user", "content": "My locker code is 4242."}])
+    store.recall.sync(tid, "ann")
+    store.recall.flush(tid, "ann")
+    tenant_dir = store.recall._paths(tid, "ann")[0].parent
+    assert tenant_dir.exists()
+    store.delete_tenant(tid)
+    assert not tenant_dir.exists()
+    ui = store.recall.sync(tid, "ann")  # the late request: loads an empty index, dirty
+    ui.dirty += 1
+    store.recall.flush(tid, "ann")
+    store.recall._save(tid, "bob", ui)  # an eviction of another of its users
+    store.close()
+    assert not tenant_dir.exists()
+    # another tenant's indexes are still written
+    other = MemoryStore(Config(data_dir=tmp_path), embedder=embedder)
+    sid = other.open_session("default", "cat").id
+    other.add_messages("default", "cat", sid, [{"role": "user", "content": "I keep bees."}])
+    other.recall.sync("default", "cat")
+    other.close()
+    assert other.recall._paths("default", "cat")[1].exists()

@@ -210,6 +210,9 @@ class Indexes:
         self._locks_guard = threading.Lock()
         self._sync_locks: dict[tuple[str, str], threading.Lock] = {}  # one sync of a user at a time
         self._epochs: dict[tuple[str, str | None], int] = {}  # drops of a user (tenant, user) or tenant (tenant, None)
+        # tenants dropped in this process: their ids are never reused (DeletedTenantRow), so an
+        # index a request still under way loads or touches after the drop is never written back
+        self._dropped_tenants: set[str] = set()
 
     @property
     def embedder(self):
@@ -299,6 +302,10 @@ class Indexes:
             return UserIndex(self._new_index(), dirty=1)
 
     def _save(self, tenant_id: str, user_id: str, ui: UserIndex) -> None:
+        with self._locks_guard:
+            if tenant_id in self._dropped_tenants:
+                ui.dirty = 0
+                return
         index_path, meta_path = self._paths(tenant_id, user_id)
         index_path.parent.mkdir(parents=True, exist_ok=True)
         tag = f"{os.getpid()}.{threading.get_ident()}.tmp"
@@ -546,6 +553,7 @@ class Indexes:
     def drop_tenant(self, tenant_id: str) -> None:
         self._bump((tenant_id, None))  # a sync under way adds nothing after this
         with self._locks_guard:  # every user seen, cached or not: a sync may be about to cache one
+            self._dropped_tenants.add(tenant_id)
             keys = [k for k in self._locks if k[0] == tenant_id]
         for key in keys:
             with self._lock(*key), self._cache_lock:
