@@ -43,32 +43,44 @@ def check_codec(codec: str) -> str:
     return codec
 
 
-def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., G] grouped on its last dim -> codes uint8 [..., G], scale and min fp16 [...]:
-    x ~= codes * scale + min, |error| <= scale / 2 (plus the fp16 rounding of scale and min)."""
+def _quantize(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x grouped along `dim` -> codes uint8 (x's shape), scale and min fp16 (x's shape without
+    `dim`): x ~= codes * scale + min, |error| <= scale / 2 (plus the fp16 rounding of scale and
+    min). One min/max pass and the arithmetic in place on one fp32 copy."""
     qmax = (1 << bits) - 1
     x = x.float()
-    lo = x.amin(-1)
-    hi = x.amax(-1)
+    lo, hi = torch.aminmax(x, dim=dim)
     scale = ((hi - lo) / qmax).to(torch.float16)
     lo16 = lo.to(torch.float16)
-    s = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
-    codes = ((x - lo16.float()[..., None]) / s[..., None]).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes, scale, lo16
+    inv = 1.0 / scale.float().clamp_min(torch.finfo(torch.float16).tiny)
+    x.sub_(lo16.float().unsqueeze(dim)).mul_(inv.unsqueeze(dim)).round_().clamp_(0, qmax)
+    return x.to(torch.uint8), scale, lo16
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.float() * scale.float()[..., None] + lo.float()[..., None]).to(dtype)
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype,
+                dim: int = -1) -> torch.Tensor:
+    return torch.addcmul(lo.float().unsqueeze(dim), codes.float(), scale.float().unsqueeze(dim)).to(dtype)
 
 
 def _k_groups(k: torch.Tensor, g: int) -> torch.Tensor:
     """K [L, T, KV, hd] -> [L, KV, hd, T/g, g]: each channel's tokens in groups of g (the last
-    group padded with the last token, which leaves its min and max as they are)."""
+    group padded with the last token, which leaves its min and max as they are). The layout of
+    the first codec version (`k_layout` absent); `_k_token_groups` is the one written now."""
     layers, t, kvh, hd = k.shape
     pad = -t % g
     if pad:
         k = torch.cat([k, k[:, -1:].expand(layers, pad, kvh, hd)], 1)
     return k.permute(0, 2, 3, 1).reshape(layers, kvh, hd, -1, g)
+
+
+def _k_token_groups(k: torch.Tensor, g: int) -> torch.Tensor:
+    """K [L, T, KV, hd] -> [L, T/g, g, KV, hd]: the same groups as `_k_groups` (each channel's
+    tokens, g at a time) in token order, so that neither encode nor decode permutes."""
+    layers, t, kvh, hd = k.shape
+    pad = -t % g
+    if pad:
+        k = torch.cat([k, k[:, -1:].expand(layers, pad, kvh, hd)], 1)
+    return k.view(layers, -1, g, kvh, hd)
 
 
 def k_group(tokens: int) -> int:
@@ -112,11 +124,11 @@ def encode(key: str, namespace: str, kv: ChunkKV, codec: str = "raw", entropy: b
     else:
         bits = _BITS[codec]
         kg, vg = k_group(t), _v_group(hd)
-        kc, ks, kl = _quantize(_k_groups(k, kg), bits)
+        kc, ks, kl = _quantize(_k_token_groups(k, kg), bits, dim=2)
         vc, vs, vl = _quantize(v.reshape(layers, t, kvh, hd // vg, vg), bits)
         if bits == 4:
             kc, vc = _pack4(kc), _pack4(vc)
-        head |= {"k_group": kg, "v_group": vg}
+        head |= {"k_group": kg, "v_group": vg, "k_layout": "tokens"}
         parts = [_bytes(x) for x in (kc, ks, kl, vc, vs, vl)]
         head["sizes"] = [len(p) for p in parts]
     payload = b"".join(parts)
@@ -207,13 +219,21 @@ def _decode(data: bytes, key: str) -> tuple[str, ChunkKV] | None:
     if codec == "int4":
         kc = _unpack4(kc, layers * kvh * hd * nkg * kg)
         vc = _unpack4(vc, v_shape.numel())
-    kq = _dequantize(kc.view(*k_groups, kg), ks.view(torch.float16).view(k_groups), kl.view(torch.float16).view(k_groups),
-                     dtype)
-    k = kq.reshape(layers, kvh, hd, nkg * kg)[..., :t].permute(0, 3, 1, 2).contiguous()
+    if head.get("k_layout") == "tokens":
+        scales = (layers, nkg, kvh, hd)
+        kq = _dequantize(kc.view(layers, nkg, kg, kvh, hd), ks.view(torch.float16).view(scales),
+                         kl.view(torch.float16).view(scales), dtype, dim=2)
+        k = kq.view(layers, nkg * kg, kvh, hd)[:, :t]
+        k = k if nkg * kg == t else k.contiguous()
+    else:  # the first version's channel-major groups
+        kq = _dequantize(kc.view(*k_groups, kg), ks.view(torch.float16).view(k_groups),
+                         kl.view(torch.float16).view(k_groups), dtype)
+        k = kq.reshape(layers, kvh, hd, nkg * kg)[..., :t].permute(0, 3, 1, 2).contiguous()
     v = _dequantize(vc.view(*v_groups, vg), vs.view(torch.float16).view(v_groups), vl.view(torch.float16).view(v_groups),
                     dtype).reshape(v_shape)
-    # quantized KV is an approximation: never taken for an exact prefix, only blended
-    return head["namespace"], ChunkKV(k, v, None)
+    # quantized KV keeps the context it was computed in: the planner may take it for a prefix
+    # (CacheGen's use of quantized KV; Config.kv_quantized_prefix), else it is blended
+    return head["namespace"], ChunkKV(k, v, head["context"], quantized=True)
 
 
 def error_bound(x: torch.Tensor, codec: str, kind: str) -> torch.Tensor:

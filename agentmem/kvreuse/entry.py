@@ -13,11 +13,14 @@ class ChunkKV:
 
     `context` is the context hash (see identity.next_context) of the segments it was
     computed after, when it was computed exactly (full prefill after an exact prefix);
-    None when it is an approximation, which is then never taken for an exact prefix."""
+    None when it is an approximation (blended), which is then never taken for an exact
+    prefix. `quantized`: it came back through a lossy codec (int8/int4); it keeps its
+    context, and the planner takes it for a prefix only with `kv_quantized_prefix`."""
 
     k: torch.Tensor
     v: torch.Tensor
     context: str | None = None
+    quantized: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -28,4 +31,4 @@ class ChunkKV:
         return self.k.shape[1]
 
     def to(self, device: torch.device | str) -> ChunkKV:
-        return ChunkKV(self.k.to(device), self.v.to(device), self.context)
+        return ChunkKV(self.k.to(device), self.v.to(device), self.context, self.quantized)

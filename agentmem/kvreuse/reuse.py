@@ -42,7 +42,7 @@ def store_from_config(config: Config, device: torch.device) -> ChunkStore:
                          min_tokens=config.kv_min_tokens) if config.kv_policy == "value" else \
         make_policy(config.kv_policy, rates=rates)
     return ChunkStore(tiers, disk, config.kv_disk_bytes, shared=shared, policy=policy, codec=config.kv_codec,
-                      ram_codec=config.kv_ram_codec)
+                      ram_codec=config.kv_ram_codec, write_behind=config.kv_disk_write_behind)
 
 
 class ChunkReuse:
@@ -63,6 +63,7 @@ class ChunkReuse:
         self.drift = cfg.blend_drift
         self.store = store if store is not None else store_from_config(cfg, engine.device)
         self.pin_s = cfg.tool_pin_s
+        self.quantized_prefix = cfg.kv_quantized_prefix
         self._anchor: ChunkKV | None = None
         self._anchor_ids: list[int] = []
         # the last plan's new entries, so that `pin` can keep one the store did not admit
@@ -108,7 +109,10 @@ class ChunkReuse:
                     kv = None
             # an exact piece must follow exact pieces only (a segment missing before it, one
             # too short to be cached say, runs in the pass: what follows it is blended)
-            exact = kv is not None and exact_so_far and prefix_exact and kv.context == context
+            exact = (kv is not None and exact_so_far and prefix_exact and kv.context == context
+                     and (self.quantized_prefix or not kv.quantized))
+            if kv is not None and kv.quantized:
+                where = where | {"quantized": True}
             prefix_exact = prefix_exact and exact
             exact_so_far = exact or (exact_so_far and kv is None and mode != "full")
             pieces.append(Piece(start, n, kv, exact))

@@ -12,6 +12,14 @@ A read that finds a torn, truncated or corrupt blob treats it as a miss and dele
 cost of a bad file is one recomputation, never a crash or a wrong answer. A read from disk or
 Redis happens only where its measured cost is below the prefill it saves (`Rates`).
 
+Write-behind (`write_behind`, on in a configured store): an entry pushed out of the last
+memory tier waits in memory for its disk write, which a background thread does (encode,
+fsync, then the rename and the eviction of what it pushes out), so no request waits on an
+encode or a disk. A lookup finds a waiting entry as a memory hit and takes it back; a newer
+`put` or a dropped namespace cancels its write (`drop_namespace` waits for a write of that
+namespace under way, so nothing of it is on disk once it returns). With more than
+`max_pending` waiting, the write is done at once, on the caller's thread.
+
 Pins: a turn that ends in a tool call keeps its chunks in memory for a while (`pin`), since
 the call's continuation sends them again. Pinned entries are not evicted for unpinned ones;
 only other pinned entries may push them out (memory pressure), and the store remembers which
@@ -21,6 +29,7 @@ pins it broke, so that the continuation's trace says so.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import shutil
@@ -38,6 +47,8 @@ from .entry import ChunkKV
 from .policy import LRUPolicy, victims
 
 __all__ = ["ChunkKV", "ChunkStore", "DiskTier", "MemoryTier", "pack", "unpack"]
+
+log = logging.getLogger(__name__)
 
 
 def pack(key: str, namespace: str, kv: ChunkKV, codec: str = "raw") -> bytes:
@@ -150,6 +161,10 @@ class DiskTier:
         return self.files[key][1]
 
     def write_blob(self, key: str, namespace: str, blob: bytes) -> None:
+        self.install(key, namespace, self.write_tmp(key, namespace, blob), len(blob))
+
+    def write_tmp(self, key: str, namespace: str, blob: bytes) -> Path:
+        """`blob` in a temporary file beside its place, fsynced; `install` renames it in."""
         path = self.path(key, namespace)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
@@ -157,10 +172,22 @@ class DiskTier:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        return tmp
+
+    def install(self, key: str, namespace: str, tmp: Path, size: int) -> None:
         self.remove(key)
-        self.files[key] = (path, len(blob))
-        self.bytes += len(blob)
+        path = self.path(key, namespace)
+        os.replace(tmp, path)
+        self.files[key] = (path, size)
+        self.bytes += size
+
+    def discard_tmp(self, tmp: Path) -> None:
+        """A cancelled write's file, and its folder if nothing else is left in it."""
+        tmp.unlink(missing_ok=True)
+        try:
+            tmp.parent.rmdir()
+        except OSError:
+            pass
 
     def read(self, key: str) -> tuple[str, ChunkKV] | None:
         """(namespace, entry), or None when it is absent or its file is not intact (then
@@ -203,7 +230,8 @@ class ChunkStore:
 
     def __init__(self, tiers: list[tuple[torch.device | str, int]], disk_dir: Path | None = None,
                  disk_bytes: int = 8 << 30, shared=None, policy: LRUPolicy | None = None,
-                 codec: str = "raw", ram_codec: bool = False, choose_loads: bool = True):
+                 codec: str = "raw", ram_codec: bool = False, choose_loads: bool = True,
+                 write_behind: bool = False, max_pending: int = 64):
         if not tiers:
             raise ValueError("a ChunkStore needs at least one memory tier")
         check_codec(codec)
@@ -228,6 +256,15 @@ class ChunkStore:
         self.choose_loads = choose_loads  # False: always load what a tier has (the baseline)
         self.bytes_per_token: float | None = None  # of blobs in this codec, for Redis's choice
         self._lock = threading.RLock()
+        # write-behind: key -> (namespace, entry, ticket) waiting for the disk, oldest first
+        self.write_behind = write_behind and self.disk is not None
+        self.max_pending = max_pending
+        self._pending: OrderedDict[str, tuple[str, ChunkKV | _Held, int]] = OrderedDict()
+        self._tickets = 0
+        self._writing: str | None = None  # the namespace of the write under way
+        self._changed = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self.disk_write_s = 0.0  # encoding and writing to disk, on whichever thread
 
     # --- lookups ---------------------------------------------------------------------------
     def get(self, key: str, count: bool = True, tokens: int | None = None, kind: str = "",
@@ -284,6 +321,13 @@ class ChunkStore:
                 tier.remove(key)
                 self._insert(key, namespace, kv)
                 return kv.to(first.device)
+        waiting = self._pending.pop(key, None)
+        if waiting is not None:  # pushed out of memory, its disk write not done: back it comes
+            self._changed.notify_all()
+            kv = _as_kv(key, waiting[1])
+            info["tier"] = first.name
+            self._insert(key, waiting[0], kv)
+            return kv.to(first.device)
         found, on_disk = None, False
         if self.disk is not None and key in self.disk:
             size = self.disk.size(key)
@@ -337,7 +381,8 @@ class ChunkStore:
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
-            return any(key in t.entries for t in self.tiers) or (self.disk is not None and key in self.disk)
+            return (any(key in t.entries for t in self.tiers) or key in self._pending
+                    or (self.disk is not None and key in self.disk))
 
     # --- writes ----------------------------------------------------------------------------
     def put(self, key: str, namespace: str, kv: ChunkKV, kind: str = "") -> bool:
@@ -349,6 +394,8 @@ class ChunkStore:
                 tier.remove(key)
             if self.disk is not None:
                 self.disk.remove(key)  # a stale copy must not come back after an eviction
+                if self._pending.pop(key, None) is not None:
+                    self._changed.notify_all()
             # a short entry computed exactly in its context is kept all the same: without it,
             # everything after it in the prompt could no longer be an exact prefix
             if not self.policy.admits(kv.tokens) and key not in self.pins and kv.context is None:
@@ -402,23 +449,112 @@ class ChunkStore:
             if k in self.disk:
                 kept = kept or k == key
                 continue
-            blob = item.blob if isinstance(item, _Held) and item.blob is not None and \
-                codec_of(item.blob) == self.codec else encode(k, ns, _as_kv(k, item), self.codec)
-            tokens = item.tokens
-            if tokens:
-                per = len(blob) / tokens
-                self.bytes_per_token = per if self.bytes_per_token is None else 0.8 * self.bytes_per_token + 0.2 * per
-            out = self._make_room(self.disk, k, len(blob), lambda: ((x, n) for x, (_, n) in self.disk.files.items()))
-            if out is None:
-                continue
-            for old in out:
-                self.disk.remove(old)
-                self.evictions += 1
-            self.disk.write_blob(k, ns, blob)
-            kept = kept or k == key
+            if self.write_behind and len(self._pending) < self.max_pending:
+                if not self._refused(k, item):
+                    self._queue_write(k, ns, item)
+                    kept = kept or k == key
+            elif self._write_now(k, ns, item):
+                kept = kept or k == key
         if not kept and not (on_disk and self.disk is not None and key in self.disk):
             self.rejected += 1
         return kept
+
+    # --- the disk writes ----------------------------------------------------------------
+    def _coded(self, item: ChunkKV | _Held) -> bytes | None:
+        """The entry's blob where it is held in the disk's codec already."""
+        if isinstance(item, _Held) and item.blob is not None and codec_of(item.blob) == self.codec:
+            return item.blob
+        return None
+
+    def _disk_sizes(self):
+        return ((x, n) for x, (_, n) in self.disk.files.items())
+
+    def _refused(self, key: str, item: ChunkKV | _Held) -> bool:
+        """Whether the disk would refuse the entry at its expected size (not worth an encode)."""
+        tokens = item.tokens
+        if self._coded(item) is not None or not tokens or not self.bytes_per_token:
+            return False
+        return self._make_room(self.disk, key, int(tokens * self.bytes_per_token), self._disk_sizes) is None
+
+    def _blob_written(self, blob: bytes, tokens: int) -> None:
+        if tokens:
+            per = len(blob) / tokens
+            self.bytes_per_token = per if self.bytes_per_token is None else 0.8 * self.bytes_per_token + 0.2 * per
+
+    def _write_now(self, key: str, namespace: str, item: ChunkKV | _Held) -> bool:
+        """Encode and write on this thread (lock held); whether the disk took it."""
+        if self._refused(key, item):
+            return False
+        t0 = time.perf_counter()
+        blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
+        self._blob_written(blob, item.tokens)
+        out = self._make_room(self.disk, key, len(blob), self._disk_sizes)
+        if out is not None:
+            for old in out:
+                self.disk.remove(old)
+                self.evictions += 1
+            self.disk.write_blob(key, namespace, blob)
+        self.disk_write_s += time.perf_counter() - t0
+        return out is not None
+
+    def _queue_write(self, key: str, namespace: str, item: ChunkKV | _Held) -> None:
+        self._tickets += 1
+        self._pending[key] = (namespace, item, self._tickets)
+        self._pending.move_to_end(key)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_behind, name="agentmem-kv-disk", daemon=True)
+            self._writer.start()
+        self._changed.notify_all()
+
+    def _write_behind(self) -> None:
+        """The writer thread: the oldest waiting entry is encoded and written to a temporary
+        file without the lock; under it, the write is installed (evicting what it pushes out)
+        unless it was cancelled meanwhile (taken back, replaced, or its namespace dropped)."""
+        while True:
+            with self._lock:
+                while not self._pending:
+                    self._changed.wait()
+                key, (namespace, item, ticket) = next(iter(self._pending.items()))
+                if self._refused(key, item):
+                    self._pending.pop(key)
+                    self._changed.notify_all()
+                    continue
+                self._writing = namespace
+            t0 = time.perf_counter()
+            tmp, blob = None, b""
+            try:
+                blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
+                tmp = self.disk.write_tmp(key, namespace, blob)
+            except Exception as exc:  # a full or failing disk: the entry is dropped (a cache)
+                log.warning("agentmem: chunk KV not written to disk: %s: %s", type(exc).__name__, exc)
+            with self._lock:
+                self._writing = None
+                live = self._pending.get(key, (None, None, None))[2] == ticket
+                if live:
+                    self._pending.pop(key)
+                if tmp is not None and live:
+                    self._blob_written(blob, item.tokens)
+                    out = self._make_room(self.disk, key, len(blob), self._disk_sizes)
+                    if out is None:
+                        self.disk.discard_tmp(tmp)
+                    else:
+                        for old in out:
+                            self.disk.remove(old)
+                            self.evictions += 1
+                        self.disk.install(key, namespace, tmp, len(blob))
+                elif tmp is not None:
+                    self.disk.discard_tmp(tmp)
+                self.disk_write_s += time.perf_counter() - t0
+                self._changed.notify_all()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every entry waiting for the disk is written (benchmarks, tests, a
+        shutdown); whether none is left waiting."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while (self._pending or self._writing is not None) and time.monotonic() < deadline:
+                self._changed.wait(min(0.5, max(deadline - time.monotonic(), 0.001)))
+            return not self._pending
 
     def _leave(self, tier: MemoryTier, key: str) -> tuple[str, _Held]:
         gone = tier.remove(key)
@@ -449,6 +585,10 @@ class ChunkStore:
                     namespace, found = tier.namespace(key), tier.get(key)
                     tier.remove(key)
                     break
+            waiting = self._pending.pop(key, None) if found is None else None
+            if waiting is not None:
+                namespace, found = waiting[0], _as_kv(key, waiting[1])
+                self._changed.notify_all()
             if found is None and self.disk is not None and key in self.disk:
                 got = self.disk.read(key)
                 if got is not None:
@@ -472,6 +612,12 @@ class ChunkStore:
         """Remove every entry of `namespace` from every tier; how many were removed."""
         with self._lock:
             n = sum(t.drop_namespace(namespace) for t in self.tiers)
+            waiting = [k for k, (ns, _, _) in self._pending.items() if ns == namespace]
+            for k in waiting:
+                self._pending.pop(k)
+            n += len(waiting)
+            while self._writing == namespace:  # its file is discarded before this goes on
+                self._changed.wait()
             if self.disk is not None:
                 n += self.disk.drop_namespace(namespace)
             if self.shared is not None:
@@ -496,6 +642,8 @@ class ChunkStore:
                 "recompute_chosen": self.recompute_chosen,
                 "pinned": sum(1 for k in self.pins if self._pinned(k)),
                 "codec": self.codec,
+                "disk_pending": len(self._pending),
+                "disk_write_s": self.disk_write_s,
             } | self.policy.stats()
             if self.shared is not None:
                 out |= self.shared.stats()

@@ -39,7 +39,8 @@ def test_codec_round_trip_stays_within_its_error_bound_per_layer(codec, tokens):
     kv = kv_like(tokens=tokens)
     blob = kvcodec.encode("key", "ns", kv, codec)
     ns, back = kvcodec.decode(blob, "key")
-    assert ns == "ns" and back.context == ("ctx" if codec == "raw" else None) and back.k.shape == kv.k.shape and back.k.dtype == kv.k.dtype
+    assert ns == "ns" and back.context == "ctx" and back.k.shape == kv.k.shape and back.k.dtype == kv.k.dtype
+    assert back.quantized == (codec != "raw")  # the context is kept; the planner knows it is lossy
     for name, x, y in (("k", kv.k, back.k), ("v", kv.v, back.v)):
         err = (x.float() - y.float()).abs().amax(dim=(1, 2, 3))  # per layer
         # bf16 output rounding on top of the codec's own bound
