@@ -13,10 +13,14 @@ holds (RAM, then a disk tier, then Redis on its own `redis-server`), and the fir
 Both configurations replay the same trace on empty tiers of equal budgets, turn by turn in
 alternating order (a change in the machine's load hits both alike). The codec is the disk's
 and Redis's; the policy's RAM holds its blobs too only with `--ram-codec on` (default: the
-config's `kv_ram_codec`, off). TTFT includes storing the turn's new chunks (an encode where
-a tier holds blobs). The codec's quality is
-measured apart on `bench blend`'s prompts: the blend's KL against full prefill with KV
-through the codec over its KL with raw KV, and top-1 agreement with full prefill.
+config's `kv_ram_codec`, off). TTFT includes putting the turn's new chunks into RAM and
+the evictions that makes; their disk writes are behind, as in a configured store (a
+background thread), and are waited for between turns outside the timing, like Redis's
+(their seconds per turn are reported: in a service they run during the reply's decode).
+Quality is measured twice: on the trace itself (every `--kl-every`th turn, KL against full
+prefill and top-1 agreement, for both configurations), and for the codec apart on `bench
+blend`'s prompts: the blend's KL against full prefill with KV through the codec over its KL
+with raw KV, and top-1 agreement with full prefill.
 The last line printed is one JSON object.
 """
 
@@ -40,6 +44,8 @@ import torch
 from ..config import Config
 from ..engine import Engine, Segment
 from ..kvreuse import codec as kvcodec
+from ..kvreuse.entry import ChunkKV
+from ..kvreuse.fuser import Piece, fuse
 from ..kvreuse.policy import Rates, make_policy
 from ..kvreuse.reuse import ChunkReuse
 from ..kvreuse.store import ChunkStore
@@ -174,24 +180,30 @@ class Replay:
         # the baseline is the store as it was: LRU, raw KV, every tier's copy loaded
         self.store = ChunkStore([("cpu", budgets["ram"])], tmp / f"disk-{prefix.strip(':')}", budgets["disk"],
                                 shared=self.shared, policy=policy, codec=codec, ram_codec=ram_codec,
-                                choose_loads=policy_name != "lru")
+                                choose_loads=policy_name != "lru", write_behind=True)
         self.reuse = ChunkReuse(engine, cfg, store=self.store)
         self.pin = policy_name == "value"
         self.ttft: list[float] = []
         self.pins_held = self.pins_broken = 0
+        self.kls: list[float] = []
+        self.top1: list[float] = []
 
-    def step(self, ev: dict) -> None:
+    def step(self, ev: dict, full_logits: torch.Tensor | None = None) -> None:
         self.clock.t = ev["t"]
         parts = self.engine.tokenize_prompt(ev["segments"])
         t0 = time.perf_counter()
         r = self.reuse.plan(parts, user=ev["user"])
         int(r.last_logits.argmax())
         self.ttft.append(time.perf_counter() - t0)
+        if full_logits is not None:
+            self.kls.append(kl(full_logits, r.last_logits))
+            self.top1.append(float(int(r.last_logits.argmax()) == int(full_logits.argmax())))
         self.pins_held += sum(s.get("kv_pin") == "held" for s in r.segments)
         self.pins_broken += sum(s.get("kv_pin") == "evicted" for s in r.segments)
         if self.pin and ev["tool"]:
             self.reuse.pin(parts[:-1], self.cfg.tool_pin_s)
         del r
+        self.store.flush()
         if self.shared is not None:
             self.shared.flush()
 
@@ -203,15 +215,22 @@ class Replay:
                 "disk_read_bytes_per_turn": s["disk_read_bytes"] / n,
                 "redis_read_bytes_per_turn": s["redis_read_bytes"] / n, "recompute_chosen": s["recompute_chosen"],
                 "rejected": s["rejected"], "evictions": s["evictions"], "pins_held": self.pins_held,
-                "pins_evicted": self.pins_broken, "stats": s}
+                "pins_evicted": self.pins_broken, "disk_write_s_per_turn": s["disk_write_s"] / n,
+                "trace_kl": statistics.fmean(self.kls) if self.kls else None,
+                "trace_top1": statistics.fmean(self.top1) if self.top1 else None, "stats": s}
 
 
-def replay(runs: list[Replay], events: list[dict], log) -> None:
+def replay(runs: list[Replay], events: list[dict], log, kl_every: int = 4) -> None:
     """Every turn through every configuration, in alternating order, so that a machine whose
-    load changes during the run (other processes) slows both alike."""
+    load changes during the run (other processes) slows both alike. Every `kl_every`th turn
+    is also prefilled in full (untimed, nothing stored) to score both against."""
     for i, ev in enumerate(events):
+        full = None
+        if kl_every and i % kl_every == kl_every - 1:
+            full = runs[0].reuse.plan(runs[0].engine.tokenize_prompt(ev["segments"]), mode="full",
+                                      store=False).last_logits
         for run in runs if i % 2 == 0 else runs[::-1]:
-            run.step(ev)
+            run.step(ev, full)
         if (i + 1) % 20 == 0:
             log(f"  {i + 1}/{len(events)} turns: " + "  ".join(
                 f"{r.name} hit rate {r.store.hit_tokens / max(r.store.looked_tokens, 1):.3f}" for r in runs))
@@ -265,7 +284,8 @@ def codec_quality(engine: Engine, cfg: Config, codec: str, prompts: int, chunk_t
         top_raw.append(float(int(a.argmax()) == top))
         top_codec.append(float(int(b.argmax()) == top))
         log(f"  quality: KL raw {kls_raw[-1]:.4f} {codec} {kls_codec[-1]:.4f}")
-    return {"codec_bytes_ratio": coded_bytes / raw_bytes, "codec_kl_ratio": statistics.fmean(kls_codec) /
+    prefix_kl, prefix_top1 = prefix_quality(engine, prompt_list, codec)
+    return {"codec_prefix_kl": prefix_kl, "codec_prefix_top1": prefix_top1,"codec_bytes_ratio": coded_bytes / raw_bytes, "codec_kl_ratio": statistics.fmean(kls_codec) /
             max(statistics.fmean(kls_raw), 1e-9), "codec_top1": statistics.fmean(top_codec),
             "raw_top1": statistics.fmean(top_raw), "raw_kl": statistics.fmean(kls_raw),
             "codec_kl": statistics.fmean(kls_codec), "codec_bytes_per_token": coded_bytes / tokens,
@@ -273,6 +293,25 @@ def codec_quality(engine: Engine, cfg: Config, codec: str, prompts: int, chunk_t
             "codec_decode_s_per_token": dec_s / tokens, "entropy_zlib_ratio": zlib_payload / plain_payload,
             "entropy_inflate_s_per_token": inflate_s / tokens,
             "codec_bytes_breakdown": {part: n / raw_bytes for part, n in layout.items()}}
+
+
+def prefix_quality(engine: Engine, prompt_list: list[list[Segment]], codec: str) -> tuple[float, float]:
+    """KL against full prefill, and top-1 agreement, of a prompt whose every token before the
+    question comes as a prefix through `codec` (computed in this very context, as a hit taken
+    for a prefix is: `kv_quantized_prefix`), the question prefilled after it."""
+    kls, tops = [], []
+    for prompt in prompt_list:
+        parts = engine.tokenize_prompt(prompt)
+        ids = [t for p in parts for t in p[0]]
+        tail = len(parts[-1][0]) + len(parts[-2][0])  # the question and the generation prefix
+        head = len(ids) - tail
+        full = fuse(engine.model, ids, [Piece(0, len(ids))], "full", keep_raw=True)
+        kv = ChunkKV(full.new_k_raw[:, :head].clone(), full.v[:, :head].clone(), "context")
+        _, back = kvcodec.decode(kvcodec.encode("prefix", "", kv, codec, entropy=False), "prefix")
+        got = fuse(engine.model, ids, [Piece(0, head, back, exact=True), Piece(head, tail)], "reuse").last_logits
+        kls.append(kl(full.last_logits, got))
+        tops.append(float(int(got.argmax()) == int(full.last_logits.argmax())))
+    return statistics.fmean(kls), statistics.fmean(tops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ram-codec", choices=("on", "off"), default=None,
                     help="the policy's RAM tier holds the codec's blobs too (default: config kv_ram_codec)")
     ap.add_argument("--quality-prompts", type=int, default=8)
+    ap.add_argument("--kl-every", type=int, default=4, help="score every n-th trace turn against full prefill (0: none)")
     ap.add_argument("--quality-chunk-tokens", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
@@ -326,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.tokenize_prompt(events[0]["segments"]), store=False)
             runs = [Replay(engine, cfg, "lru", "raw", budgets, tmp, url, "lru:"),
                     Replay(engine, cfg, "value", codec, budgets, tmp, url, "policy:", ram_codec)]
-            replay(runs, events, log)
+            replay(runs, events, log, args.kl_every)
             lru, pol = (r.result() for r in runs)
         finally:
             if server is not None:
@@ -345,12 +385,20 @@ def main(argv: list[str] | None = None) -> int:
         "policy_ttft_p50_s": pol["ttft_p50_s"],
         "lru_ttft_p95_s": lru["ttft_p95_s"],
         "policy_ttft_p95_s": pol["ttft_p95_s"],
-        **{k: quality[k] for k in ("codec_bytes_ratio", "codec_kl_ratio", "codec_top1")},
+        **{k: quality[k] for k in ("codec_bytes_ratio", "codec_kl_ratio", "codec_top1", "codec_prefix_kl",
+                                   "codec_prefix_top1")},
+        "lru_trace_kl": lru["trace_kl"],
+        "policy_trace_kl": pol["trace_kl"],
+        "lru_trace_top1": lru["trace_top1"],
+        "policy_trace_top1": pol["trace_top1"],
+        "lru_disk_write_s_per_turn": lru["disk_write_s_per_turn"],
+        "policy_disk_write_s_per_turn": pol["disk_write_s_per_turn"],
         "lru_disk_read_bytes_per_turn": lru["disk_read_bytes_per_turn"],
         "policy_disk_read_bytes_per_turn": pol["disk_read_bytes_per_turn"],
         "lru_redis_read_bytes_per_turn": lru["redis_read_bytes_per_turn"],
         "policy_redis_read_bytes_per_turn": pol["redis_read_bytes_per_turn"],
-        "quality": {k: v for k, v in quality.items() if k not in ("codec_bytes_ratio", "codec_kl_ratio", "codec_top1")},
+        "quality": {k: v for k, v in quality.items() if k not in ("codec_bytes_ratio", "codec_kl_ratio", "codec_top1",
+                                                                "codec_prefix_kl", "codec_prefix_top1")},
         "policy_detail": {k: pol[k] for k in ("recompute_chosen", "rejected", "evictions", "pins_held", "pins_evicted")}
         | {"reuse_by_kind": pol["stats"].get("reuse_by_kind", {})},
         "lru_detail": {k: lru[k] for k in ("rejected", "evictions")},
