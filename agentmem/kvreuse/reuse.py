@@ -6,7 +6,8 @@ A segment is used as is when its entry was computed exactly after the same prece
 segments (prefix reuse); otherwise its cached KV is re-rotated and, in `blend` mode,
 partly recomputed. New segments are stored with the context they were computed in when
 that computation was exact (every segment before them exact too), else as approximations
-that are only ever blended.
+that are only ever blended. An entry that came back through the lossy codec keeps its
+context and counts as exact for this (`kv_quantized_prefix`; see docs/kvreuse.md).
 """
 
 from __future__ import annotations
