@@ -28,6 +28,7 @@ pins it broke, so that the continuation's trace says so.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import math
@@ -36,6 +37,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,17 @@ from .policy import LRUPolicy, victims
 __all__ = ["ChunkKV", "ChunkStore", "DiskTier", "MemoryTier", "pack", "unpack"]
 
 log = logging.getLogger(__name__)
+EXIT_FLUSH_S = 10.0  # at exit, how long the stores' waiting disk writes are given, in all
+_writing_stores: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """A process that exits normally writes what waits for the disk first (bounded: it is a
+    cache; what is left is recomputed later, and a torn temporary file is removed at start)."""
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    for store in list(_writing_stores):
+        store.flush(max(0.0, deadline - time.monotonic()))
 
 
 def pack(key: str, namespace: str, kv: ChunkKV, codec: str = "raw") -> bytes:
@@ -504,6 +517,7 @@ class ChunkStore:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_behind, name="agentmem-kv-disk", daemon=True)
             self._writer.start()
+            _writing_stores.add(self)
         self._changed.notify_all()
 
     def _write_behind(self) -> None:
@@ -511,41 +525,53 @@ class ChunkStore:
         file without the lock; under it, the write is installed (evicting what it pushes out)
         unless it was cancelled meanwhile (taken back, replaced, or its namespace dropped)."""
         while True:
-            with self._lock:
-                while not self._pending:
-                    self._changed.wait()
-                key, (namespace, item, ticket) = next(iter(self._pending.items()))
-                if self._refused(key, item):
-                    self._pending.pop(key)
-                    self._changed.notify_all()
-                    continue
-                self._writing = namespace
-            t0 = time.perf_counter()
-            tmp, blob = None, b""
             try:
-                blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
-                tmp = self.disk.write_tmp(key, namespace, blob)
-            except Exception as exc:  # a full or failing disk: the entry is dropped (a cache)
-                log.warning("agentmem: chunk KV not written to disk: %s: %s", type(exc).__name__, exc)
-            with self._lock:
-                self._writing = None
-                live = self._pending.get(key, (None, None, None))[2] == ticket
-                if live:
-                    self._pending.pop(key)
-                if tmp is not None and live:
-                    self._blob_written(blob, item.tokens)
-                    out = self._make_room(self.disk, key, len(blob), self._disk_sizes)
-                    if out is None:
-                        self.disk.discard_tmp(tmp)
-                    else:
-                        for old in out:
-                            self.disk.remove(old)
-                            self.evictions += 1
-                        self.disk.install(key, namespace, tmp, len(blob))
-                elif tmp is not None:
-                    self.disk.discard_tmp(tmp)
-                self.disk_write_s += time.perf_counter() - t0
+                self._write_one()
+            except Exception:  # never the thread's end: what waits would never be written
+                log.exception("agentmem: the chunk KV disk writer failed on one entry")
+                with self._lock:  # that entry (the oldest) is dropped, not tried again forever
+                    if self._pending:
+                        self._pending.popitem(last=False)
+                    self._writing = None
+                    self._changed.notify_all()
+
+    def _write_one(self) -> None:
+        """One waiting entry to disk (see `_write_behind`)."""
+        with self._lock:
+            while not self._pending:
+                self._changed.wait()
+            key, (namespace, item, ticket) = next(iter(self._pending.items()))
+            if self._refused(key, item):
+                self._pending.pop(key)
                 self._changed.notify_all()
+                return
+            self._writing = namespace
+        t0 = time.perf_counter()
+        tmp, blob = None, b""
+        try:
+            blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
+            tmp = self.disk.write_tmp(key, namespace, blob)
+        except Exception as exc:  # a full or failing disk: the entry is dropped (a cache)
+            log.warning("agentmem: chunk KV not written to disk: %s: %s", type(exc).__name__, exc)
+        with self._lock:
+            self._writing = None
+            live = self._pending.get(key, (None, None, None))[2] == ticket
+            if live:
+                self._pending.pop(key)
+            if tmp is not None and live:
+                self._blob_written(blob, item.tokens)
+                out = self._make_room(self.disk, key, len(blob), self._disk_sizes)
+                if out is None:
+                    self.disk.discard_tmp(tmp)
+                else:
+                    for old in out:
+                        self.disk.remove(old)
+                        self.evictions += 1
+                    self.disk.install(key, namespace, tmp, len(blob))
+            elif tmp is not None:
+                self.disk.discard_tmp(tmp)
+            self.disk_write_s += time.perf_counter() - t0
+            self._changed.notify_all()
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every entry waiting for the disk is written (benchmarks, tests, a
