@@ -45,8 +45,10 @@ class Config(BaseSettings):
     # bf16 copy of the weights) | kernel (the engine's own 4-bit kernel, the rows quantized to
     # int8 as decode's are: faster, fewer right answers; engine/linear.py resolve_q4_rows)
     q4_rows: str = "dense"
-    # the compiled decode step (engine/compiled.py): auto (on for the CPU) | on | off; compiles
-    # run in the background and one that takes longer than compile_timeout_s leaves decode eager
+    # the compiled decode step (engine/compiled.py): auto | on | off. auto on the CPU: none
+    # where the fused C decode step runs (eager measured faster on every CPU; engine/loop.py
+    # compiled_decode), else measured per bucket; on CUDA, CUDA graphs. Compiles run in the
+    # background and one that takes longer than compile_timeout_s leaves decode eager
     compile: str = "auto"
     compile_timeout_s: float = 600.0
     device: str = "auto"  # auto | cpu | cuda

@@ -31,7 +31,9 @@ eager (or not yet measured, where every measured width of its batch size went ea
 compiled again on this machine: with the fused C decode step eager decodes
 2.6x faster than compiled on the AMX Xeon VM (167 against 65 tok/s, 2026-11-27), and the
 compile, even from inductor's disk cache, held the first reply of every process for ~5 s
-(its trace takes the lock the eager steps take, threads.py).
+(its trace takes the lock the eager steps take, threads.py). Eager won on every CPU
+measured, so with a fused C decode step `auto` builds no CompiledDecode at all
+(loop.compiled_decode); this class then serves `compile=on` and unfused models.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from .block_manager import BlockManager
 from .compiled import CompiledDecode
 from .cuda_graph import GraphDecode
 from .detokenize import ReplyText
+from .fused_decode import Bf16Fused, Fp32Fused
 from .kv_pool import KVPool, slot_runs
 from .model_runner import ModelRunner
 from .results import Generation, GenerationStats
@@ -356,7 +357,14 @@ def compiled_decode(engine: LoopHost, pool: KVPool) -> CompiledDecode | GraphDec
     """The compiled decode step the config asks for. On the CPU: `compile` auto (each bucket
     kept compiled only where its steps measure faster than eager), on (always compiled), off.
     On CUDA, auto and on replay the whole step from captured CUDA graphs (cuda_graph.py; a
-    sliding-window model decodes eagerly: its attention is not the paged kernel), off is eager."""
+    sliding-window model decodes eagerly: its attention is not the paged kernel), off is eager.
+
+    auto compiles nothing where the model decodes through a fused C layer step
+    (fused_decode.Bf16Fused / Fp32Fused, the default int4 and int8 weights on AVX2 or
+    AVX512): eager was the faster path on every CPU measured (`bench engine`, one stream
+    1.2-4.5x, eight streams 1.4-2.7x: Skylake, Cascade Lake, Sapphire Rapids with and
+    without AMX, Zen 3, Zen 4, Zen 5, 2026-11-25 to 2026-12-03), so the measured choice only
+    ever paid for the compile, which holds every other request's steps while it traces."""
     cfg = engine.config
     if cfg.compile not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, got {cfg.compile!r}")
@@ -364,6 +372,8 @@ def compiled_decode(engine: LoopHost, pool: KVPool) -> CompiledDecode | GraphDec
         return None
     if engine.device.type == "cuda":
         return GraphDecode(engine.model, pool) if engine.model.args.sliding_window is None else None
+    if cfg.compile == "auto" and isinstance(getattr(engine.model, "kernels", None), (Bf16Fused, Fp32Fused)):
+        return None
     return CompiledDecode(engine.model, pool, cfg.cache_dir, cfg.compile_timeout_s, measure=cfg.compile == "auto")
 
 

@@ -265,6 +265,25 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(tiny_path):
     assert got_three == [drive(e, eager, [p], 64)[0] for p in three]
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_compile_auto_compiles_nothing_where_the_fused_decode_step_runs(tiny_path, monkeypatch, weights):
+    from agentmem.engine.compiled import CompiledDecode
+    from agentmem.engine.fused_decode import Bf16Fused, Fp32Fused
+
+    fused = (Bf16Fused, Fp32Fused)
+    e = load(tiny_path, dtype="float32", weights=weights, compile="auto")
+    if not isinstance(e.model.kernels, fused):
+        pytest.skip(f"no fused C decode step for {weights} on this CPU")
+    assert EngineLoop(e).runner.compiled is None
+    assert isinstance(EngineLoop(load(tiny_path, dtype="float32", weights=weights, compile="on")).runner.compiled,
+                      CompiledDecode)  # asked for, it is still there
+    monkeypatch.setenv("AGENTMEM_FUSED_DECODE", "off")
+    unfused = load(tiny_path, dtype="float32", weights=weights, compile="auto")
+    assert not isinstance(unfused.model.kernels, fused)
+    c = EngineLoop(unfused).runner.compiled
+    assert isinstance(c, CompiledDecode) and c.measure
+
+
 def test_compile_auto_times_both_paths_per_bucket_and_keeps_the_faster(tiny_path, tmp_path, monkeypatch):
     """compile=auto on the CPU: a compiled bucket's first steps alternate compiled and eager,
     TRIALS each, then the bucket keeps the one whose best step was faster; the tokens are
@@ -272,6 +291,7 @@ def test_compile_auto_times_both_paths_per_bucket_and_keeps_the_faster(tiny_path
     from agentmem.engine import compiled as compiled_mod
 
     monkeypatch.setattr(compiled_mod, "machine_busy", lambda: None)
+    monkeypatch.setenv("AGENTMEM_FUSED_DECODE", "off")  # with the fused C step auto compiles nothing (below)
     e = load(tiny_path, dtype="float32", compile="auto", cache_dir=tmp_path)
     loop = EngineLoop(e)
     c = loop.runner.compiled
