@@ -353,6 +353,12 @@ class EngineLoop:
         seq.out.put(Generation(seq.text, list(seq.generated), stats, list(seq.logprobs) if seq.params.logprobs else None))
 
 
+def auto_compiles(engine: LoopHost) -> bool:
+    """Whether compile=auto builds a compiled CPU decode step for this engine's model: not
+    where it decodes through a fused C layer step (see `compiled_decode`)."""
+    return not isinstance(getattr(engine.model, "kernels", None), (Bf16Fused, Fp32Fused))
+
+
 def compiled_decode(engine: LoopHost, pool: KVPool) -> CompiledDecode | GraphDecode | None:
     """The compiled decode step the config asks for. On the CPU: `compile` auto (each bucket
     kept compiled only where its steps measure faster than eager), on (always compiled), off.
@@ -372,7 +378,7 @@ def compiled_decode(engine: LoopHost, pool: KVPool) -> CompiledDecode | GraphDec
         return None
     if engine.device.type == "cuda":
         return GraphDecode(engine.model, pool) if engine.model.args.sliding_window is None else None
-    if cfg.compile == "auto" and isinstance(getattr(engine.model, "kernels", None), (Bf16Fused, Fp32Fused)):
+    if cfg.compile == "auto" and not auto_compiles(engine):
         return None
     return CompiledDecode(engine.model, pool, cfg.cache_dir, cfg.compile_timeout_s, measure=cfg.compile == "auto")
 
