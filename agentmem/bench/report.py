@@ -84,9 +84,14 @@ def _replicas(r: dict) -> str:
     return f"{r['replicas_speedup']:.2f}x one replica's throughput, {r['replicas']} replicas on PostgreSQL"
 
 
+def _seconds(x: float) -> str:
+    """Three significant digits: 0.153 s and 14.0 s alike."""
+    return f"{x:.3g}"
+
+
 def _fair(r: dict) -> str:
-    return (f"a tenant's short requests p95 {r['fair_short_with_long_p95_s']:.1f} s beside another's 8 long streams, "
-            f"{r['fair_short_alone_p95_s']:.1f} s alone ({r['fair_ratio']:.2f}x; target <= 2x)")
+    return (f"a tenant's short requests p95 {_seconds(r['fair_short_with_long_p95_s'])} s beside another's 8 long "
+            f"streams, {_seconds(r['fair_short_alone_p95_s'])} s alone ({r['fair_ratio']:.2f}x; target <= 2x)")
 
 
 def _kvstore(r: dict) -> str:
