@@ -48,7 +48,7 @@ def _quantize(x: torch.Tensor, bits: int, dim: int = -1) -> tuple[torch.Tensor, 
     `dim`): x ~= codes * scale + min, |error| <= scale / 2 (plus the fp16 rounding of scale and
     min). One min/max pass and the arithmetic in place on one fp32 copy."""
     qmax = (1 << bits) - 1
-    x = x.float()
+    x = x.to(torch.float32, copy=True)  # a copy always: fp32 input must not be overwritten in place
     lo, hi = torch.aminmax(x, dim=dim)
     scale = ((hi - lo) / qmax).to(torch.float16)
     lo16 = lo.to(torch.float16)

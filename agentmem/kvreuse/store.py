@@ -549,7 +549,8 @@ class ChunkStore:
         t0 = time.perf_counter()
         tmp, blob = None, b""
         try:
-            blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
+            with torch.inference_mode():  # the engine's KV are inference tensors
+                blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
             tmp = self.disk.write_tmp(key, namespace, blob)
         except Exception as exc:  # a full or failing disk: the entry is dropped (a cache)
             log.warning("agentmem: chunk KV not written to disk: %s: %s", type(exc).__name__, exc)

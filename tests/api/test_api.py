@@ -315,6 +315,7 @@ def test_real_chunk_cache_is_dropped_with_its_tenant(embedder, tmp_path):
         assert r.json()["agentmem"]["reused_tokens"] > 0  # the second turn reused the first's chunks
         metrics = httpx.get(s.url + "/metrics").text
         assert "agentmem_kv_chunk_hit_ratio" in metrics and "agentmem_kv_chunk_ram_bytes" in metrics
+        assert reuse.store.flush()  # the disk writes are behind the requests
         assert reuse.stats()["entries"] > 0 and any((tmp_path / "chunks").rglob("*.kv"))
         assert c.delete("/v1/tenant").status_code == 200
     assert reuse.drop_namespace(tid) == 0  # nothing of the tenant was left to drop

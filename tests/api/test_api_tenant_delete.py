@@ -18,6 +18,7 @@ from _serve import serve
 from sqlalchemy import inspect, text
 
 from agentmem.config import Config
+from agentmem.kvreuse import get_reuse
 
 CHAT = "/v1/chat/completions"
 CLEAR = {200, 201, 401, 404, 409}  # 401: the key is gone; 404: the tenant or user is gone
@@ -58,6 +59,7 @@ def test_delete_a_tenant_while_its_requests_run(blend_engine, embedder):
             assert r.status_code == 200, r.text
             s.store.recall.flush(tid, uid)  # the index on disk now, not at its next periodic save
         recall_dir = s.store.recall.directory / hashlib.sha256(tid.encode()).hexdigest()[:24]
+        assert get_reuse(blend_engine).store.flush()  # the chunk KV's disk writes are behind the requests
         assert recall_dir.exists() and any((tmp_path / "chunks").rglob("*.kv"))
 
         results: dict[str, list] = {}
@@ -138,7 +140,6 @@ def test_delete_a_tenant_while_its_requests_run(blend_engine, embedder):
                     n = conn.execute(text(f"SELECT count(*) FROM {table} WHERE tenant_id = :t"), {"t": tid}).scalar()
                     assert n == 0, f"{n} rows of the deleted tenant in {table}"
         assert not recall_dir.exists()
-        from agentmem.kvreuse import get_reuse
 
         assert get_reuse(blend_engine).drop_namespace(tid) == 0
         kv_files = [p for p in (tmp_path / "chunks").rglob("*") if tid in str(p)]

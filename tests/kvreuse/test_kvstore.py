@@ -52,6 +52,18 @@ def test_codec_round_trip_stays_within_its_error_bound_per_layer(codec, tokens):
         assert len(blob) <= 0.35 * kv.nbytes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_encoding_leaves_the_entry_as_it_was(codec, dtype):
+    kv = kv_like(tokens=64, dtype=dtype)  # 64 tokens: K's groups need no padding (a view of K)
+    k, v = kv.k.clone(), kv.v.clone()
+    with torch.inference_mode():  # as the engine's entries are made
+        held = ChunkKV(kv.k.clone(), kv.v.clone(), "ctx")
+    kvcodec.encode("key", "ns", kv, codec)
+    kvcodec.encode("key", "ns", held, codec)  # outside inference mode, as the disk writer runs
+    assert torch.equal(kv.k, k) and torch.equal(kv.v, v) and torch.equal(held.k, k) and torch.equal(held.v, v)
+
+
 def test_int4_is_finer_on_k_per_channel_than_per_token_would_be():
     kv = kv_like(tokens=64)
     _, back = kvcodec.decode(kvcodec.encode("k", "", kv, "int4"), "k")
