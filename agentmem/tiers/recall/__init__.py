@@ -263,7 +263,9 @@ class Recall(Indexes):
         near = {} if brief else neighbour_contexts(
             self.archive, tenant_id, user_id,
             [texts[c.row_id] for c, _ in picked if c.kind == _MESSAGE and c.row_id in texts])
-        return [self._hit(ui, c, row, texts, mems, qvec, near) for c, row in picked]
+        # a row deleted while this search ran (its user or tenant deleted meanwhile) is left out
+        return [self._hit(ui, c, row, texts, mems, qvec, near) for c, row in picked
+                if c.row_id in (texts if c.kind == _MESSAGE else mems)]
 
     def _neighbour_support(self, tenant_id: str, user_id: str, ui: UserIndex, cands: dict, scored: list,
                            k: int, specific: dict[int, float], allowed: Callable[[MessageMeta], bool],
