@@ -334,9 +334,8 @@ class ChunkStore:
                 tier.remove(key)
                 self._insert(key, namespace, kv)
                 return kv.to(first.device)
-        waiting = self._pending.pop(key, None)
+        waiting = self._cancel_write(key)
         if waiting is not None:  # pushed out of memory, its disk write not done: back it comes
-            self._changed.notify_all()
             kv = _as_kv(key, waiting[1])
             info["tier"] = first.name
             self._insert(key, waiting[0], kv)
@@ -407,8 +406,7 @@ class ChunkStore:
                 tier.remove(key)
             if self.disk is not None:
                 self.disk.remove(key)  # a stale copy must not come back after an eviction
-                if self._pending.pop(key, None) is not None:
-                    self._changed.notify_all()
+                self._cancel_write(key)
             # a short entry computed exactly in its context is kept all the same: without it,
             # everything after it in the prompt could no longer be an exact prefix
             if not self.policy.admits(kv.tokens) and key not in self.pins and kv.context is None:
@@ -473,6 +471,22 @@ class ChunkStore:
         return kept
 
     # --- the disk writes ----------------------------------------------------------------
+    def _cancel_write(self, key: str) -> tuple[str, ChunkKV | _Held, int] | None:
+        """Take `key`'s waiting disk write back (a write under way is then discarded when it
+        ends); (namespace, entry, ticket), or None when none waits."""
+        waiting = self._pending.pop(key, None)
+        if waiting is not None:
+            self._changed.notify_all()
+        return waiting
+
+    def _room_on_disk(self, key: str, nbytes: int) -> bool:
+        """Evict what the disk's policy gives up for an entry of `nbytes`; whether it fits."""
+        out = self._make_room(self.disk, key, nbytes, self._disk_sizes)
+        for old in out or ():
+            self.disk.remove(old)
+            self.evictions += 1
+        return out is not None
+
     def _coded(self, item: ChunkKV | _Held) -> bytes | None:
         """The entry's blob where it is held in the disk's codec already."""
         if isinstance(item, _Held) and item.blob is not None and codec_of(item.blob) == self.codec:
@@ -501,14 +515,11 @@ class ChunkStore:
         t0 = time.perf_counter()
         blob = self._coded(item) or encode(key, namespace, _as_kv(key, item), self.codec)
         self._blob_written(blob, item.tokens)
-        out = self._make_room(self.disk, key, len(blob), self._disk_sizes)
-        if out is not None:
-            for old in out:
-                self.disk.remove(old)
-                self.evictions += 1
+        fits = self._room_on_disk(key, len(blob))
+        if fits:
             self.disk.write_blob(key, namespace, blob)
         self.disk_write_s += time.perf_counter() - t0
-        return out is not None
+        return fits
 
     def _queue_write(self, key: str, namespace: str, item: ChunkKV | _Held) -> None:
         self._tickets += 1
@@ -561,14 +572,10 @@ class ChunkStore:
                 self._pending.pop(key)
             if tmp is not None and live:
                 self._blob_written(blob, item.tokens)
-                out = self._make_room(self.disk, key, len(blob), self._disk_sizes)
-                if out is None:
-                    self.disk.discard_tmp(tmp)
-                else:
-                    for old in out:
-                        self.disk.remove(old)
-                        self.evictions += 1
+                if self._room_on_disk(key, len(blob)):
                     self.disk.install(key, namespace, tmp, len(blob))
+                else:
+                    self.disk.discard_tmp(tmp)
             elif tmp is not None:
                 self.disk.discard_tmp(tmp)
             self.disk_write_s += time.perf_counter() - t0
@@ -612,10 +619,9 @@ class ChunkStore:
                     namespace, found = tier.namespace(key), tier.get(key)
                     tier.remove(key)
                     break
-            waiting = self._pending.pop(key, None) if found is None else None
+            waiting = self._cancel_write(key) if found is None else None
             if waiting is not None:
                 namespace, found = waiting[0], _as_kv(key, waiting[1])
-                self._changed.notify_all()
             if found is None and self.disk is not None and key in self.disk:
                 got = self.disk.read(key)
                 if got is not None:
@@ -641,7 +647,7 @@ class ChunkStore:
             n = sum(t.drop_namespace(namespace) for t in self.tiers)
             waiting = [k for k, (ns, _, _) in self._pending.items() if ns == namespace]
             for k in waiting:
-                self._pending.pop(k)
+                self._cancel_write(k)
             n += len(waiting)
             while self._writing == namespace:  # its file is discarded before this goes on
                 self._changed.wait()
