@@ -20,7 +20,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 # what makes a test slow: the model (loaded once per session, then every turn runs it) or a
-# benchmark run; `make test-fast` leaves these out, `make test` runs everything
+# benchmark run; `make test-fast` leaves these out, `make test` runs everything. Soaks, timed
+# load tests and tests that load a model in a subprocess carry the mark by hand.
 MODEL_FIXTURES = frozenset({"engine", "hf_model"})
 
 

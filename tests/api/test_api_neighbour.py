@@ -15,11 +15,15 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
+
 from agentmem.bench.serve import neighbour, start
 
 SEARCH_FLOOR_S = 1.0
 TTFT_FLOOR_S = 2.5
 RATIO = 4.0
+
+pytestmark = pytest.mark.slow  # a timed load test: `agentmem bench serve` in small
 
 
 def test_a_flooding_tenant_leaves_a_quiet_tenants_latency_within_bounds():

@@ -190,6 +190,7 @@ def _wait_up(url: str, proc, timeout_s: float = 180.0) -> None:
     raise AssertionError("replica did not come up")
 
 
+@pytest.mark.slow  # a load test over two `agentmem serve` processes, one killed
 def test_two_serve_replicas_sigkill_one_under_load(pg_url, tmp_path, embedder):
     store = MemoryStore(Config(data_dir=tmp_path / "admin", db_url=pg_url), embedder=embedder)
     tenant, key = create_tenant_with_key(store, "replicated")

@@ -399,6 +399,7 @@ def test_background_compiles_are_waited_for_at_exit(tiny_path):
         compiled_mod._exiting = False
 
 
+@pytest.mark.slow  # loads a model in three fresh interpreters
 def test_a_script_that_exits_right_after_generating_exits_cleanly(tiny_path, tmp_path):
     """The engine loop's daemon thread may still be finishing its step when a script ends; the
     process must still exit with status 0 (it aborted with 134 about every other run)."""

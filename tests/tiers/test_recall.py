@@ -881,6 +881,7 @@ def test_a_row_committed_late_below_the_newest_is_indexed(store):
     assert top - 7 in store.recall.sync("default", "alice").messages
 
 
+@pytest.mark.slow  # runs `agentmem bench memory` on the model
 def test_bench_memory_repeats_its_questions_under_other_sampling_seeds(capsys):
     """`--sampling-seeds N`: every question asked N times (each repeat in a tenant of its own,
     with other seeds), one accuracy per seed and their mean in the JSON."""

@@ -4,9 +4,13 @@ flat, and an index evicted from memory is loaded again, whole, on its next use."
 
 from __future__ import annotations
 
+import pytest
+
 from agentmem.bench.recall_cache import HashEmbedder, rss_mb, soak
 from agentmem.config import Config
 from agentmem.tiers import MemoryStore
+
+pytestmark = pytest.mark.slow  # a soak: `agentmem bench recall-cache` in small
 
 
 def test_soak_over_10k_users_keeps_resident_size_flat(tmp_path):
