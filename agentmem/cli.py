@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("agentmem.bench.engine", "engine prefill/decode/batching vs HF transformers"),
-    "kernels": ("agentmem.engine.kernels.bench", "attention/RoPE kernels vs their torch peers"),
+    "kernels": ("agentmem.bench.kernels", "attention/RoPE kernels vs their torch peers"),
     "blend": ("agentmem.bench.blend", "chunk-KV reuse: full vs reuse vs CacheBlend"),
     "kvstore": ("agentmem.bench.kvstore", "chunk KV store on a multi-user trace: LRU+raw vs value per byte+codec"),
     "memory": ("agentmem.bench.memory", "multi-session memory QA workload"),

@@ -1,7 +1,7 @@
 """Kernel micro-benchmark: each dispatcher against the torch path it replaces, same run,
 same device, SmolLM2-135M head layout (9 query heads, 3 KV heads, head_dim 64).
 
-`python -m agentmem.engine.kernels.bench --json`. On CUDA it times the Triton kernel and its
+`agentmem bench kernels --json`. On CUDA it times the Triton kernel and its
 torch peer and reports the largest difference between them; without CUDA only the torch
 side runs (the kernels exist for the GPU) and the kernel fields are null.
 """
@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine import attend
-from ..model import Rotary
-from . import paged_decode_attention, paged_decode_attention_ref, rope, selected_attention
+from ..engine.engine import attend
+from ..engine.kernels import paged_decode_attention, paged_decode_attention_ref, rope, selected_attention
+from ..engine.model import Rotary
 
 HEADS, KV_HEADS, HD, BLOCK = 9, 3, 64, 16
 
@@ -82,7 +82,7 @@ def _cases(device: torch.device, dtype: torch.dtype, small: bool):
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m agentmem.engine.kernels.bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="agentmem bench kernels", description=__doc__)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
