@@ -196,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{mode}_kl"] = kl(full.last_logits, results[mode].last_logits)
                 row[f"{mode}_top1"] = float(int(results[mode].last_logits.argmax()) == top)
                 row[f"{mode}_match"] = float(row[f"{mode}_answer"] == row["full_answer"])
+            # how near a tie full prefill's own choice was: a blend that misses top-1 where the
+            # first two logits lie 0.04 apart differs from one that misses a clear answer
+            first, second = full.last_logits.float().topk(2).values.tolist()
+            row["full_margin"] = first - second
             b = results["blend"]
             row["recompute_ratio"] = (b.recomputed + b.prefilled) / n
             rows.append(row)
@@ -220,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             "reuse_kl": mean("reuse_kl"),
             "blend_top1": mean("blend_top1"),
             "reuse_top1": mean("reuse_top1"),
+            # full prefill's top-1 minus top-2 logit on each prompt the blend's top-1 missed
+            "blend_top1_miss_full_margins": [round(r["full_margin"], 4) for r in rows if not r["blend_top1"]],
             "blend_answer_match": mean("blend_match"),
             "reuse_answer_match": mean("reuse_match"),
             "recompute_ratio": mean("recompute_ratio"),

@@ -567,6 +567,9 @@ def test_blend_bench_prints_its_json_contract_last(engine, tmp_path, monkeypatch
     assert out["metric"] == "auto" and out["drift"] == 0.03 and out["ratio"] == 0.15 and out["check_layer"] is None
     assert out["full_ttft_s"] > 0 and 0 < out["recompute_ratio"] < 1 and out["blend_kl"] >= 0
     assert [c["ratio"] for c in out["curve"]] == list(bench.CURVE_RATIOS)
+    # one margin per prompt whose blend missed full prefill's top-1, each a top-1 minus top-2 gap
+    misses = out["blend_top1_miss_full_margins"]
+    assert len(misses) == round((1 - out["blend_top1"]) * out["prompts"]) and all(m >= 0 for m in misses)
     # r = 1 is full prefill; the bench recomputes in row blocks of other sizes than full prefill,
     # and on an AMX VM the BLAS blocks those matmuls differently (KL 8.9e-08 measured there)
     assert out["curve"][-1]["kl"] < 1e-6
