@@ -182,9 +182,10 @@ def _run_device(result: dict, argv: Sequence[str]):
 
 
 def save(bench: str, result: dict, argv: Sequence[str] = (), variant: str | None = None,
-         root: Path = RESULTS) -> Path:
-    """Stamp `result` (made by `agentmem bench <bench> <argv>` in this process) and write it
-    where its bench and this machine's kind say; returns the path."""
+         root: Path = RESULTS, code: str | None = None) -> Path:
+    """Stamp `result` (made by `agentmem bench <bench> <argv>` in this process, from the commit
+    `code`, read now when not given) and write it where its bench and this machine's kind say;
+    returns the path."""
     import torch
 
     from ..config import Config
@@ -197,7 +198,7 @@ def save(bench: str, result: dict, argv: Sequence[str] = (), variant: str | None
         dtype = str(pick_dtype(_option(argv, "--dtype") or Config().dtype, device)).removeprefix("torch.")
     machine = this_machine(gpu)
     path = result_path(bench, machine.kind, variant, root)
-    write(path, stamp(result, machine, dtype, commit(), date.today().isoformat()))
+    write(path, stamp(result, machine, dtype, code if code is not None else commit(), date.today().isoformat()))
     return path
 
 
@@ -244,7 +245,9 @@ def last_json(output: str) -> dict:
 
 def run_saved(bench: str, main: Callable[[list[str]], int | None], argv: list[str], variant: str | None = None,
               root: Path = RESULTS) -> int:
-    """Run a bench's `main(argv)` and save the JSON it printed last."""
+    """Run a bench's `main(argv)` and save the JSON it printed last, stamped with the commit
+    the run started from (code edited while a long bench runs is not the code it timed)."""
+    code = commit()
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         rc = int(main(argv) or 0)
@@ -255,5 +258,5 @@ def run_saved(bench: str, main: Callable[[list[str]], int | None], argv: list[st
     except ValueError as exc:
         print(f"agentmem bench {bench} --save: {exc}", file=sys.stderr)
         return 2
-    print(f"saved {save(bench, result, argv, variant, root)}", file=sys.stderr)
+    print(f"saved {save(bench, result, argv, variant, root, code)}", file=sys.stderr)
     return 0

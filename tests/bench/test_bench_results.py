@@ -109,6 +109,16 @@ def test_bench_save_keeps_the_last_json_stamped_at_its_machine_path(fake_bench, 
     assert (fake_bench / result_path("fake", this_machine().kind, "quick")).exists()
 
 
+def test_a_saved_result_names_the_commit_its_run_started_from(fake_bench, monkeypatch, capsys):
+    from agentmem.bench import results
+
+    seen = iter(["a" * 40, "a" * 40 + "-dirty"])  # the code is edited while the bench runs
+    monkeypatch.setattr(results, "commit", lambda: next(seen))
+    assert cli.main(["bench", "fake", "--json", "--save"]) == 0
+    saved = json.loads((fake_bench / result_path("fake", this_machine().kind)).read_text())
+    assert saved["commit"] == "a" * 40
+
+
 def test_bench_save_writes_nothing_for_a_failed_run_or_one_without_json(fake_bench, capsys):
     assert cli.main(["bench", "fake", "--fail", "--save"]) == 1
     assert cli.main(["bench", "fake", "--plain", "--save"]) == 2
