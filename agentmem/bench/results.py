@@ -181,11 +181,11 @@ def _run_device(result: dict, argv: Sequence[str]):
     return torch.device("cuda" if torch.cuda.is_available() and named == torch.cuda.get_device_name() else "cpu")
 
 
-def save(bench: str, result: dict, argv: Sequence[str] = (), variant: str | None = None,
-         root: Path = RESULTS, code: str | None = None) -> Path:
+def save(bench: str, result: dict, argv: Sequence[str], variant: str | None, root: Path, *,
+         code: str | None) -> Path:
     """Stamp `result` (made by `agentmem bench <bench> <argv>` in this process, from the commit
-    `code`, read now when not given) and write it where its bench and this machine's kind say;
-    returns the path."""
+    `code` as `commit()` read it when the run started) and write it where its bench and this
+    machine's kind say; returns the path."""
     import torch
 
     from ..config import Config
@@ -198,7 +198,7 @@ def save(bench: str, result: dict, argv: Sequence[str] = (), variant: str | None
         dtype = str(pick_dtype(_option(argv, "--dtype") or Config().dtype, device)).removeprefix("torch.")
     machine = this_machine(gpu)
     path = result_path(bench, machine.kind, variant, root)
-    write(path, stamp(result, machine, dtype, code if code is not None else commit(), date.today().isoformat()))
+    write(path, stamp(result, machine, dtype, code, date.today().isoformat()))
     return path
 
 
@@ -258,5 +258,5 @@ def run_saved(bench: str, main: Callable[[list[str]], int | None], argv: list[st
     except ValueError as exc:
         print(f"agentmem bench {bench} --save: {exc}", file=sys.stderr)
         return 2
-    print(f"saved {save(bench, result, argv, variant, root, code)}", file=sys.stderr)
+    print(f"saved {save(bench, result, argv, variant, root, code=code)}", file=sys.stderr)
     return 0
